@@ -1,0 +1,1 @@
+"""Benchmarks behind ``sdpq bench``: each module measures sdpq next to a baseline in the same run."""

@@ -1,0 +1,103 @@
+"""The ``sdpq`` command line: benchmarks, config tools and (later) the demo.
+
+Sub-commands are registered from the modules that implement them, each exposing
+``add_arguments(parser)`` and ``run(args) -> list[dict]`` (benchmarks) so this file stays a
+thin dispatcher. Imports are lazy: ``sdpq config --check`` must not pay for torch.distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+__all__ = ["main"]
+
+# name -> (module, help); every module exposes add_arguments(parser) and run(args) -> list[dict].
+_BENCHES = {
+    "quant": ("sdpq.bench.quant", "throughput of the quantization primitives vs a plain copy"),
+    "comm": ("sdpq.bench.comm", "wire bits and time of the collectives vs unquantized ones"),
+    "optim": ("sdpq.bench.optim", "optimizer step time and bytes/param vs torch.optim.AdamW"),
+}
+
+
+def _module_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from .bench.report import print_table
+
+    module = importlib.import_module(_BENCHES[args.bench][0])
+    records = module.run(args)
+    if args.json:
+        json.dump(records, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print_table(records, title=f"sdpq bench {args.bench}", columns=getattr(module, "COLUMNS", None))
+    return 0
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from .config import Config, ConfigError, describe
+
+    if args.doc:
+        print(describe())
+        return 0
+    if args.check:
+        try:
+            cfg = Config.from_deepspeed(args.check)
+        except (ConfigError, OSError, json.JSONDecodeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if cfg is None:
+            print(f'{args.check}: no "sdpq" block (plain DeepSpeed)')
+        else:
+            print(json.dumps(cfg.to_dict(), indent=1))
+        return 0
+    print(json.dumps(Config().to_dict(), indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdpq", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="measured comparisons against a baseline in the same run")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_) in _BENCHES.items():
+        if not _module_available(module):
+            continue
+        p = bench_sub.add_parser(name, help=help_)
+        p.add_argument("--json", action="store_true", help="print a JSON list of records")
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(func=_run_bench)
+
+    cfg = sub.add_parser("config", help="print defaults, the option reference, or check a DeepSpeed config")
+    cfg.add_argument("--doc", action="store_true", help="markdown reference of every option")
+    cfg.add_argument("--check", metavar="DS_CONFIG", help="validate the 'sdpq' block of a DeepSpeed JSON config")
+    cfg.set_defaults(func=_run_config)
+
+    if _module_available("sdpq.demo"):
+        from . import demo
+
+        d = sub.add_parser("demo", help="the end-to-end demo (4 CPU ranks, 2 simulated nodes)")
+        demo.add_arguments(d)
+        d.set_defaults(func=demo.main)
+    else:
+        # Until the full demo exists, the main job is the quantization benchmark.
+        d = sub.add_parser("demo", help="(for now) runs `sdpq bench quant`")
+        d.add_argument("--json", action="store_true")
+        importlib.import_module("sdpq.bench.quant").add_arguments(d)
+        d.set_defaults(func=_run_bench, bench="quant")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

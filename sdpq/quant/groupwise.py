@@ -1,0 +1,123 @@
+"""Symmetric absmax group quantization to int8 / int4 codes (pure tensor math).
+
+Per group of G values: s = max|x| / qmax (qmax = 127 for 8-bit, 7 for 4-bit),
+q = round(x / s) clamped to [-qmax, qmax]; an all-zero group has s = 0 and q = 0.
+Rounding is to nearest (|x - s q| <= s/2) or stochastic (floor(x/s + u), u ~ U[0, 1),
+so E[s q] = x for every element whose group is not clipped).
+
+The last dimension is quantized; leading dimensions are independent rows (a collective sends
+one row per destination rank). Any length works: rows are zero-padded to whole groups inside,
+and ``dequantize`` returns exactly ``numel`` values per row.
+
+Note: a non-finite input (inf/nan) makes its group's scale non-finite; the codes of that group
+are zeroed and the group decodes to NaN. A gradient overflow therefore survives quantization as
+a non-finite value instead of being encoded as finite garbage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["QuantSpec", "Quantized", "quantize", "dequantize", "nonfinite_groups"]
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_SCALE_DTYPES = (torch.float32, torch.float16)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a tensor is quantized and laid out on the wire."""
+
+    bits: int = 8
+    group_size: int = 128
+    rounding: str = "nearest"
+    scale_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"QuantSpec.bits: {self.bits!r} not allowed; allowed: 4, 8")
+        if not isinstance(self.group_size, int) or self.group_size < 2 or self.group_size % 2:
+            raise ValueError(f"QuantSpec.group_size: {self.group_size!r}; allowed: an even integer >= 2")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"QuantSpec.rounding: {self.rounding!r}; allowed: 'nearest', 'stochastic'")
+        if self.scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"QuantSpec.scale_dtype: {self.scale_dtype}; allowed: torch.float32, torch.float16")
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def groups(self, numel: int) -> int:
+        return -(-numel // self.group_size)
+
+    def code_bytes(self, numel: int) -> int:
+        return self.groups(numel) * self.group_size * self.bits // 8
+
+    def scale_bytes(self, numel: int) -> int:
+        return self.groups(numel) * self.scale_dtype.itemsize
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes of one packed row of ``numel`` values: codes (padding included) + scales."""
+        return self.code_bytes(numel) + self.scale_bytes(numel)
+
+    def wire_bits_per_element(self, numel: int) -> float:
+        """Exact bits that cross the wire per input element, padding and scales included."""
+        return 8.0 * self.wire_bytes(numel) / numel
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Unpacked codes (int8, one per element, rows padded to whole groups) and fp32 scales."""
+
+    codes: torch.Tensor  # int8 [..., groups * G]
+    scales: torch.Tensor  # fp32 [..., groups] (already rounded to the wire scale dtype)
+    numel: int  # valid values per row
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[-1] // self.scales.shape[-1]
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"quantize: dtype {x.dtype} not supported; allowed: float32, bfloat16, float16, float64")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"quantize: need a non-empty last dimension, got shape {tuple(x.shape)}")
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None) -> Quantized:
+    """Quantize the last dimension of ``x`` in groups of ``spec.group_size`` (fp32 math)."""
+    _check_input(x)
+    *lead, n = x.shape
+    g, G = spec.groups(n), spec.group_size
+    xp = torch.nn.functional.pad(x.float(), (0, g * G - n)).view(*lead, g, G)
+    # Round the scale to its wire dtype *before* dividing, so encoder and decoder agree.
+    scales = (xp.abs().amax(dim=-1) / spec.qmax).to(spec.scale_dtype).float()
+    finite = torch.isfinite(scales)
+    # Zero or non-finite scales divide by 1; their codes are forced to 0 below.
+    safe = torch.where(finite & (scales > 0), scales, torch.ones_like(scales)).unsqueeze(-1)
+    y = xp / safe
+    if spec.rounding == "stochastic":
+        noise = torch.rand(y.shape, device=y.device, generator=generator)
+        y = torch.floor(y.add_(noise))
+    else:
+        y = torch.round(y)
+    y = y.clamp_(-spec.qmax, spec.qmax).masked_fill_(~finite.unsqueeze(-1), 0)
+    return Quantized(codes=y.to(torch.int8).view(*lead, g * G), scales=scales, numel=n)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values ``s * q`` (fp32 math), ``q.numel`` per row; non-finite groups decode to NaN."""
+    *lead, padded = q.codes.shape
+    g = q.scales.shape[-1]
+    vals = q.codes.view(*lead, g, padded // g).float() * q.scales.unsqueeze(-1)
+    # 0 * inf is already NaN; make inf scales (no NaN from the product when codes are 0) explicit.
+    vals = torch.where(torch.isfinite(q.scales).unsqueeze(-1), vals, torch.full_like(vals, float("nan")))
+    return vals.view(*lead, padded)[..., : q.numel].to(dtype)
+
+
+def nonfinite_groups(q: Quantized) -> torch.Tensor:
+    """Bool mask [..., groups]: groups whose input held inf or NaN."""
+    return ~torch.isfinite(q.scales)

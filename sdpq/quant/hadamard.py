@@ -1,0 +1,68 @@
+"""Randomized blockwise Walsh-Hadamard transform: y = H_B D x per block of B values.
+
+H_B is the orthonormal Walsh-Hadamard matrix of a power-of-two size B, D a diagonal of random
++-1 signs drawn from ``seed`` (every rank must pass the same seed). The transform is orthonormal
+and linear, so partial sums can be added in the transformed domain and inverted once at the end;
+it spreads an outlier over its block so absmax groups of 4-bit codes lose less. SDP4Bit uses a
+fixed, un-randomized 32x32 matrix; the random signs here make the spreading independent of how
+the outliers line up with the Hadamard rows.
+
+Cost: log2(B) butterfly passes over the data, O(n log B), never a dense B x B matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = ["hadamard", "inverse_hadamard"]
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_signs(block: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (block,), generator=gen, dtype=torch.int8).float().mul_(2).sub_(1)
+
+
+def _signs(block: int, seed: int, device: torch.device) -> torch.Tensor:
+    return _cpu_signs(block, seed).to(device)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"hadamard: block={block}; allowed: a power of two")
+    if x.dim() == 0 or x.shape[-1] % block:
+        raise ValueError(
+            f"hadamard: last dimension {tuple(x.shape)[-1:] or 'scalar'} must be a multiple of block={block} "
+            "(pad the buffer first)"
+        )
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized fast Walsh-Hadamard transform of the last dim (a power of two)."""
+    *lead, B = x.shape
+    h = 1
+    while h < B:
+        # Pairs (j, j + h) inside each run of 2h values become (a + b, a - b).
+        v = x.view(*lead, B // (2 * h), 2, h)
+        a, b = v[..., 0, :], v[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).view(*lead, B)
+        h *= 2
+    return x
+
+
+def hadamard(x: torch.Tensor, block: int, seed: int) -> torch.Tensor:
+    """fp32 ``H_B D x`` over the last dim (a multiple of ``block``), same shape as ``x``."""
+    xb = _blocks(x, block)
+    y = _fwht(xb * _signs(block, seed, x.device)) * (1.0 / math.sqrt(block))
+    return y.view(x.shape)
+
+
+def inverse_hadamard(y: torch.Tensor, block: int, seed: int) -> torch.Tensor:
+    """fp32 ``D H_B y`` (H_B is symmetric and orthonormal, so it is its own inverse)."""
+    yb = _blocks(y, block)
+    x = _fwht(yb) * (1.0 / math.sqrt(block)) * _signs(block, seed, y.device)
+    return x.view(y.shape)

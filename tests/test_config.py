@@ -1,0 +1,120 @@
+"""Strict config: every error names the key path, the value and what is allowed."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpq.config import Config, ConfigError, describe
+
+
+def _error(d) -> str:
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict(d)
+    return str(e.value)
+
+
+def test_defaults_follow_the_published_methods():
+    c = Config()
+    assert (c.weights.mode, c.weights.bits, c.weights.group_size) == ("diff", 4, 2048)
+    assert (c.gradients.intra_bits, c.gradients.inter_bits, c.gradients.intra_group_size) == (8, 4, 128)
+    assert c.gradients.hadamard and c.gradients.rounding == "stochastic"
+    assert (c.optimizer.states, c.optimizer.master) == ("fp8", "mcf")
+
+
+def test_unknown_nested_key_names_path_and_allowed_keys():
+    msg = _error({"weights": {"bitz": 4}})
+    assert msg.startswith("sdpq.weights.bitz: unknown key; allowed: mode, bits, group_size")
+    assert _error({"optimiser": {}}).startswith("sdpq.optimiser: unknown key; allowed: weights, gradients")
+
+
+@pytest.mark.parametrize(
+    "d,path,shown",
+    [
+        ({"gradients": {"hadamard": "yes"}}, "sdpq.gradients.hadamard", "'yes'"),
+        ({"stats": {"error_sample_every": 1.5}}, "sdpq.stats.error_sample_every", "1.5"),
+        ({"weights": {"bits": True}}, "sdpq.weights.bits", "True"),
+        ({"topology": {"ranks_per_node": "four"}}, "sdpq.topology.ranks_per_node", "'four'"),
+        ({"gradients": []}, "sdpq.gradients", "[]"),
+    ],
+)
+def test_wrong_type_names_path_and_value(d, path, shown):
+    msg = _error(d)
+    assert msg.startswith(path + ":") and shown in msg
+
+
+@pytest.mark.parametrize(
+    "d,path,allowed",
+    [
+        ({"weights": {"bits": 3}}, "sdpq.weights.bits", "allowed: 4, 8"),
+        ({"weights": {"group_size": 1000}}, "sdpq.weights.group_size", "power of two"),
+        ({"gradients": {"pipeline_chunks": 0}}, "sdpq.gradients.pipeline_chunks", "[1, 64]"),
+        ({"optimizer": {"states": "fp4"}}, "sdpq.optimizer.states", "'fp8', 'bf16', 'fp32'"),
+        ({"weights": {"mode": "direct"}}, "sdpq.weights.bits", "8 when mode is 'direct'"),
+        ({"topology": {"ranks_per_node": 0}}, "sdpq.topology.ranks_per_node", "[1, inf]"),
+    ],
+)
+def test_out_of_range_names_path_value_and_allowed(d, path, allowed):
+    msg = _error(d)
+    assert msg.startswith(path + ":") and allowed in msg
+
+
+@settings(deadline=None, max_examples=50)
+@given(
+    mode=st.sampled_from(["diff", "exact"]),
+    wbits=st.sampled_from([4, 8]),
+    group=st.sampled_from([128, 2048]),
+    had=st.booleans(),
+    chunks=st.integers(1, 8),
+    states=st.sampled_from(["fp8", "bf16", "fp32"]),
+    rpn=st.one_of(st.just("auto"), st.integers(1, 8)),
+)
+def test_to_dict_round_trips(mode, wbits, group, had, chunks, states, rpn):
+    d = {
+        "weights": {"mode": mode, "bits": wbits, "group_size": group},
+        "gradients": {"hadamard": had, "pipeline_chunks": chunks},
+        "optimizer": {"states": states},
+        "topology": {"ranks_per_node": rpn},
+    }
+    c = Config.from_dict(d)
+    assert Config.from_dict(c.to_dict()) == c
+    assert Config.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_from_deepspeed_reads_only_the_sdpq_block(tmp_path):
+    ds = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "whatever": 1}, "sdpq": {"weights": {"mode": "exact"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    assert Config.from_deepspeed(path).weights.mode == "exact"
+    assert Config.from_deepspeed(str(path)) == Config.from_deepspeed(ds)
+    assert Config.from_deepspeed({"train_batch_size": 8}) is None  # plain DeepSpeed
+    assert Config.from_deepspeed({"sdpq": {}}) == Config()
+    with pytest.raises(ConfigError, match=r"^sdpq\.gradients\.inter_bitz: unknown key"):
+        Config.from_deepspeed({"sdpq": {"gradients": {"inter_bitz": 4}}})
+
+
+def test_frozen_and_replace():
+    c = Config()
+    with pytest.raises(Exception):
+        c.weights.bits = 8  # type: ignore[misc]
+    c2 = c.replace(weights={"mode": "exact"}, gradients={"hadamard": False})
+    assert c2.weights.mode == "exact" and not c2.gradients.hadamard and c.weights.mode == "diff"
+    with pytest.raises(ConfigError, match="sdpq.weights.bits"):
+        c.replace(weights={"bits": 5})
+
+
+def test_every_option_is_documented():
+    doc = describe()
+    for section, values in Config().to_dict().items():
+        explained = type(getattr(Config(), section)).__doc__
+        for key in values:
+            assert f"`{key}`" in doc, f"{section}.{key} missing from the reference table"
+            assert key in explained, f"{section}.{key} has no explanation in its section docstring"
+
+
+def test_committed_reference_is_current():
+    from pathlib import Path
+
+    committed = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    assert committed.strip() == describe().strip(), "regenerate: sdpq config --doc > docs/config.md"
