@@ -1,0 +1,31 @@
+"""sdpq: sharded data-parallel quantization for DeepSpeed ZeRO-3 and PyTorch FSDP2.
+
+Public surface: ``sdpq.Config`` (and ``ConfigError``), ``sdpq.stats``, the sub-packages
+``sdpq.quant`` (math), ``sdpq.comm`` (collectives), ``sdpq.optim`` (compressed AdamW) and the
+integrations ``sdpq.fsdp`` / ``sdpq.deepspeed`` (imported lazily: each pulls in its framework).
+"""
+
+import importlib
+
+from .config import Config, ConfigError
+
+__version__ = "0.1.0"
+__all__ = ["Config", "ConfigError", "stats", "quant", "comm", "optim", "fsdp", "deepspeed", "__version__"]
+
+_LAZY = {
+    "stats": "sdpq.stats",
+    "quant": "sdpq.quant",
+    "comm": "sdpq.comm",
+    "optim": "sdpq.optim",
+    "fsdp": "sdpq.integrations.fsdp",
+    "deepspeed": "sdpq.integrations.deepspeed",
+}
+
+
+def __getattr__(name: str):
+    # Lazy so that `import sdpq` (e.g. for Config) does not import DeepSpeed or torch.distributed.
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'sdpq' has no attribute {name!r}")

@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module).add_arguments(p)
         p.set_defaults(func=_run_bench)
 
+    from .launch import emulated
+
+    cl = sub.add_parser("cluster", help="run a torchrun job on an emulated K-node cluster (network namespaces, shaped link)")
+    emulated.add_arguments(cl)
+    cl.set_defaults(func=emulated.main)
+
     cfg = sub.add_parser("config", help="print defaults, the option reference, or check a DeepSpeed config")
     cfg.add_argument("--doc", action="store_true", help="markdown reference of every option")
     cfg.add_argument("--check", metavar="DS_CONFIG", help="validate the 'sdpq' block of a DeepSpeed JSON config")

@@ -1,0 +1,222 @@
+"""``sdpq bench comm``: wire bits per element and time per call of the sdpq collectives, each
+next to the unquantized collective measured in the same run, on real gloo ranks.
+
+It spawns one process per rank (world sizes from the layouts, e.g. 2x4 = 2 simulated nodes of 4
+ranks) on this machine. Bits per element come from sdpq's byte counters (every byte that crosses
+the link, scales and padding included); seconds are the median over repeats of the slowest
+rank. On one machine every "link" is loopback, so the times show compute overhead rather than
+the bandwidth saved: the bits per element are what carries over to a real cluster.
+
+Records (one per path x mode x link x layout x numel): path (weights|gradients), mode, link
+(intra|inter), layout, numel, wire_bits_per_element, baseline_bits_per_element, bits_ratio,
+seconds, baseline_seconds, time_ratio, relative_error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Callable
+
+COLUMNS = ["path", "mode", "link", "layout", "numel", "wire_bits_per_element", "baseline_bits_per_element",
+           "bits_ratio", "seconds", "baseline_seconds", "time_ratio", "relative_error"]
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20],
+                   help="bucket sizes in elements (default: 2^16 2^20)")
+    p.add_argument("--layouts", nargs="+", default=["2x2", "2x4", "4x2"],
+                   help="nodes x ranks per node (default: 2x2 2x4 4x2)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
+                   help="dtype of the gathered weights and of the gradients (the baseline's wire dtype)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
+    p.add_argument("--paths", nargs="+", choices=["weights", "gradients"], default=["weights", "gradients"])
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective is abandoned")
+
+
+def _parse_layout(s: str) -> tuple[int, int]:
+    try:
+        nodes, rpn = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"bad layout {s!r}: expected NODESxRANKS, e.g. 2x4") from None
+    if nodes < 1 or rpn < 1:
+        raise SystemExit(f"bad layout {s!r}")
+    return nodes, rpn
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import multiprocessing as mp
+
+    layouts = [_parse_layout(s) for s in args.layouts]
+    by_world: dict[int, list[tuple[int, int]]] = {}
+    for nodes, rpn in layouts:
+        by_world.setdefault(nodes * rpn, []).append((nodes, rpn))
+    opts = {"sizes": list(args.sizes), "dtype": _DTYPES[args.dtype], "repeats": max(1, args.repeats),
+            "paths": list(args.paths), "timeout": float(args.timeout)}
+    records: list[dict] = []
+    ctx = mp.get_context("spawn")
+    # Note: one thread per rank; the children read it before importing torch.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for world, lays in by_world.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                queue = ctx.Queue()
+                procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), lays, opts, queue))
+                         for r in range(world)]
+                for p in procs:
+                    p.start()
+                try:
+                    status, payload = queue.get(timeout=opts["timeout"] * 4)
+                finally:
+                    for p in procs:
+                        p.join(timeout=30)
+                        if p.is_alive():
+                            p.kill()
+                if status != "ok":
+                    raise RuntimeError(f"sdpq bench comm failed on a rank:\n{payload}")
+                records.extend(payload)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    order = {lay: i for i, lay in enumerate(f"{n}x{l}" for n, l in layouts)}
+    records.sort(key=lambda r: (r["path"], order[r["layout"]], r["numel"], r["mode"], r["link"]))
+    return records
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _worker(rank, world, store_path, layouts, opts, queue) -> None:
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        timeout = timedelta(seconds=opts["timeout"])
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                                world_size=world, timeout=timeout)
+        records = []
+        for nodes, rpn in layouts:
+            records += _measure_layout(rank, nodes, rpn, opts, timeout)
+        if rank == 0:
+            queue.put(("ok", records))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+
+
+def _seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median over repeats of the slowest rank's time for one call (all ranks start together)."""
+    import torch
+    import torch.distributed as dist
+
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.median())
+
+
+def _record(path, mode, link, layout, numel, stats: dict, seconds, baseline_seconds, rel, baseline_bits):
+    bits = stats[path][link]["bits_per_element"]
+    return {"path": path, "mode": mode, "link": link, "layout": layout, "numel": numel,
+            "wire_bits_per_element": bits, "baseline_bits_per_element": baseline_bits,
+            "bits_ratio": baseline_bits / bits, "seconds": seconds, "baseline_seconds": baseline_seconds,
+            "time_ratio": seconds / baseline_seconds, "relative_error": rel}
+
+
+def _measure_layout(rank, nodes, rpn, opts, timeout) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import CommStats, GradReduceScatter, Topology, WeightGather
+    from ..comm._exchange import all_gather_rows, reduce_scatter_flat
+    from ..config import GradientsConfig, WeightsConfig
+
+    topo = Topology.build(rpn, timeout=timeout)
+    layout, N = topo.layout, topo.world_size
+    dtype = getattr(torch, opts["dtype"])
+    bits = 8 * dtype.itemsize
+    reps = opts["repeats"]
+    out: list[dict] = []
+    world = dist.group.WORLD
+
+    def reduce_max(v: float) -> float:
+        t = torch.tensor([v], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    for numel in opts["sizes"]:
+        numel = -(-numel // N) * N
+        C = numel // N
+        gen = torch.Generator().manual_seed(1000 + rank)
+        if "gradients" in opts["paths"]:
+            x = torch.randn(numel, generator=gen).to(dtype)
+            res = torch.empty(C, dtype=dtype)
+            base = _seconds(lambda: reduce_scatter_flat(res, x, world), reps)
+            exact = torch.empty(C, dtype=torch.float64)
+            reduce_scatter_flat(exact, x.double(), world)
+            rec = CommStats()
+            rs = GradReduceScatter(numel, topo, GradientsConfig(), recorder=rec)
+            got = rs(x)
+            rel = reduce_max(float((got.double() - exact).norm() / exact.norm()))
+            secs = _seconds(lambda: rs(x), reps)
+            stats = rec.as_dict()
+            for link in ("intra", "inter"):
+                if link in stats.get("gradients", {}):
+                    out.append(_record("gradients", "two_level", link, layout, numel, stats, secs, base, rel, bits))
+        if "weights" in opts["paths"]:
+            # A random walk of the weights (update/weight ~ 1e-3, like an optimizer step).
+            walk = [torch.randn(C, generator=gen)]
+            for _ in range(4):
+                walk.append(walk[-1] + 1e-3 * torch.randn(C, generator=gen))
+            shard = walk[-1].to(dtype)
+            base = _seconds(lambda: all_gather_rows(shard, world), reps)
+            full, _ = all_gather_rows(shard, world)
+            true = full.reshape(-1).float()
+            for mode in ("diff", "direct"):
+                rec = CommStats()
+                cfg = WeightsConfig(mode=mode, bits=4 if mode == "diff" else 8, group_size=2048 if mode == "diff" else 256)
+                wg = WeightGather(numel, topo, cfg, dtype=dtype, recorder=rec)
+                for t, w in enumerate(walk):
+                    if t == len(walk) - 1:
+                        rec.reset()  # steady state: one difference refresh + one gather
+                    wg.mark_dirty()
+                    got = wg(w.to(dtype))
+                stats = rec.as_dict()
+                rel = reduce_max(float((got.float() - true).norm() / true.norm()))
+
+                def step(wg=wg):
+                    wg.mark_dirty()
+                    return wg(shard)
+
+                links = stats["weights"]
+                if mode == "diff":
+                    secs_refresh = _seconds(step, reps)
+                    secs_gather = _seconds(lambda: wg(shard), reps)
+                    if "inter" in links:
+                        out.append(_record("weights", "diff", "inter", layout, numel, stats, secs_refresh, base, rel, bits))
+                    if "intra" in links:
+                        out.append(_record("weights", "diff", "intra", layout, numel, stats, secs_gather, base, rel, bits))
+                else:
+                    secs = _seconds(lambda: wg(shard), reps)
+                    for link in ("intra", "inter"):
+                        if link in links:
+                            out.append(_record("weights", "direct", link, layout, numel, stats, secs, base, rel, bits))
+    return out

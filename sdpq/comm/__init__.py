@@ -1,0 +1,24 @@
+"""Collectives on flat buffers over torch.distributed process groups (no DeepSpeed/FSDP here).
+
+- `Topology.build(ranks_per_node)`: node layout and intra/inter-node groups (collective).
+- `WeightGather(numel, topology, WeightsConfig)`: "my shard -> full bucket" (diff/direct/exact).
+- `GradReduceScatter(numel, topology, GradientsConfig)`: "full bucket -> my chunk", SUM.
+- `stats`: bytes per link class and path, sampled errors; `summary()` -> (table, dict).
+"""
+
+from . import stats
+from .grads import GradReduceScatter
+from .stats import CommStats, summary
+from .topology import Topology, TopologyError
+from .weights import ReferenceMismatchWarning, WeightGather
+
+__all__ = [
+    "Topology",
+    "TopologyError",
+    "WeightGather",
+    "ReferenceMismatchWarning",
+    "GradReduceScatter",
+    "CommStats",
+    "stats",
+    "summary",
+]

@@ -1,0 +1,48 @@
+"""Thin wrappers over the two collectives the algorithms use, on 2-D row buffers.
+
+Each collective moves ONE buffer (codes and scales packed together by sdpq.quant.wire), so a
+quantized exchange costs the latency of one collective, like the unquantized one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_rows", "all_to_all_rows", "group_size", "reduce_scatter_flat"]
+
+# torch >= 2.13 renamed the flat collectives (the old names warn); older releases lack the new.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """SUM reduce-scatter of a flat buffer (the plain, unquantized collective)."""
+    _reduce_scatter_single(out, inp, group=group)
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_gather_rows(row: torch.Tensor, group, async_op: bool = False):
+    """Every member's 1-D `row` stacked in group-rank order: ([k, len], work or None)."""
+    k = group_size(group)
+    if k == 1:
+        return row.unsqueeze(0), None
+    # gloo wants a flat output (k * len), not [k, len]
+    out = torch.empty(k * row.numel(), dtype=row.dtype, device=row.device)
+    work = _all_gather_single(out, row.contiguous().view(-1), group=group, async_op=async_op)
+    return out.view(k, -1), work
+
+
+def all_to_all_rows(rows: torch.Tensor, group, async_op: bool = False):
+    """Row j of `rows` [k, len] goes to group rank j; row j of the result came from rank j."""
+    k = group_size(group)
+    if k == 1:
+        return rows, None
+    if rows.shape[0] != k:
+        raise ValueError(f"all_to_all_rows: {rows.shape[0]} rows for a group of {k}")
+    out = torch.empty_like(rows)
+    work = dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=async_op)
+    return out, work

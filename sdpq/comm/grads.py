@@ -1,0 +1,254 @@
+"""Two-level quantized gradient reduce-scatter of one flat bucket (DESIGN.md section 3).
+
+SUM semantics: rank r gets sum over ranks of x[r*c : (r+1)*c] with c = ceil(numel / N) (the caller
+divides for an average). The bucket is viewed as N chunks (chunk r goes to rank r), each padded
+with zeros to C elements so that Hadamard blocks, quantization groups and pipeline slices never
+straddle a chunk; padding never reaches the caller.
+
+Per pipeline slice (a column range of every chunk):
+  1. optional randomized Hadamard (blockwise, shared seed; inverted once at the end);
+  2. intra-node, `intra_bits`: row l' = chunks {n'*L + l'}, all_to_all_single in the node, sum of
+     the dequantized rows in fp32 -> node partial of the `nodes` chunks owned by local index l;
+  3. inter-node, `inter_bits` (+ optional error feedback): row n' = partial of chunk n'*L + l,
+     all_to_all_single across nodes, dequantize, sum in fp32, inverse Hadamard.
+Slices are issued asynchronously so slice j's inter-node exchange overlaps slice j+1's
+intra-node exchange (the two stages run on different process groups).
+
+Note (non-finite): a rank whose quantized rows hold any non-finite group marks ALL its outgoing
+scales NaN, and its own partial NaN. NaN then reaches every rank of the node in stage 2, and
+every node in stage 3, so an overflow anywhere gives a NaN result on every rank (the caller
+skips the step) and never finite garbage. The check reads the scales only (no host sync).
+Note (own rows): a rank's own contribution to its own chunk is summed exactly, never quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import GradientsConfig, StatsConfig
+from ..quant import (QuantSpec, Quantized, dequantize, hadamard, inverse_hadamard, nonfinite_groups, pack,
+                     quantize, unpack)
+from ._exchange import all_to_all_rows, reduce_scatter_flat
+from .stats import CommStats, Recorder
+from .topology import Topology
+
+__all__ = ["GradReduceScatter"]
+
+_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_NAN = float("nan")
+
+
+def _poison(q: Quantized, bad: torch.Tensor) -> Quantized:
+    """All scales NaN when `bad` (a 0-dim bool tensor): no host sync, no data-dependent branch."""
+    return Quantized(codes=q.codes, scales=torch.where(bad, _NAN, q.scales), numel=q.numel)
+
+
+def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).norm() / exact.norm().clamp_min(1e-30))
+
+
+class GradReduceScatter:
+    """Reduce-scatter (SUM) of one flat bucket. Every rank builds it with the same arguments
+    and calls it collectively.
+
+    numel: elements of the full input bucket; each rank gets `chunk_numel` = ceil(numel / N)
+    (elements past the end of the bucket, on the last ranks, are returned as zeros).
+    """
+
+    def __init__(self, numel: int, topology: Topology, config: GradientsConfig | None = None, *,
+                 device: torch.device | str | None = None, stats: StatsConfig | None = None,
+                 recorder: CommStats | None = None):
+        if numel < 1:
+            raise ValueError(f"GradReduceScatter: numel must be positive, got {numel}")
+        self.config = c = config or GradientsConfig()
+        self.topology = topo = topology
+        self.numel = numel
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        N, L, nodes = topo.world_size, topo.ranks_per_node, topo.nodes
+        self.chunk_numel = -(-numel // N)
+        cn = self.chunk_numel
+        valid = [max(0, min(cn, numel - r * cn)) for r in range(N)]
+        align = max(c.intra_group_size if L > 1 else 1, c.inter_group_size if nodes > 1 else 1,
+                    c.hadamard_block if c.hadamard else 1)
+        # Fewer slices for small buckets: each slice must hold at least one aligned block.
+        self.slices = max(1, min(c.pipeline_chunks, -(-cn // align)))
+        step = align * self.slices
+        self.padded_chunk = -(-cn // step) * step if c.mode == "two_level" else cn
+        self.slice_numel = self.padded_chunk // self.slices
+        self.intra_spec = QuantSpec(bits=c.intra_bits, group_size=c.intra_group_size, rounding=c.rounding,
+                                    scale_dtype=_SCALE_DTYPES[c.scale_dtype])
+        self.inter_spec = QuantSpec(bits=c.inter_bits, group_size=c.inter_group_size, rounding=c.rounding,
+                                    scale_dtype=_SCALE_DTYPES[c.scale_dtype])
+        l, n = topo.local_rank, topo.node
+        # Bucket elements that leave this rank on each link per call (padding excluded).
+        self._intra_elems = sum(valid[m * L + k] for m in range(nodes) for k in range(L) if k != l)
+        self._inter_elems = sum(valid[m * L + l] for m in range(nodes) if m != n)
+        self._world_elems = {"intra": sum(valid[n * L + k] for k in range(L) if k != l),
+                             "inter": sum(valid[r] for r in range(N) if r // L != n)}
+        self._valid_own = valid[topo.rank]
+        self.residual: torch.Tensor | None = None  # error feedback of the inter-node stage
+        self.calls = 0
+        self._rec = Recorder(stats, recorder)
+        self._gen: torch.Generator | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Full flat input (`numel` elements, any float dtype) -> this rank's summed chunk
+        (`chunk_numel` elements, in out's dtype or x's)."""
+        if x.numel() != self.numel:
+            raise ValueError(f"input has {x.numel()} elements; this reduce-scatter was built for {self.numel}")
+        if out is not None and out.numel() != self.chunk_numel:
+            raise ValueError(f"out has {out.numel()} elements; expected chunk_numel {self.chunk_numel}")
+        dtype = out.dtype if out is not None else x.dtype
+        if self.config.mode == "exact":
+            result = self._exact(x.detach().reshape(-1))
+        else:
+            result = self._two_level(x.detach().reshape(-1))
+        self.calls += 1
+        if out is None:
+            return result.to(dtype)
+        out.view(-1).copy_(result)
+        return out
+
+    __call__ = reduce_scatter
+
+    def state_dict(self) -> dict:
+        return {"residual": None if self.residual is None else self.residual.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        r = state.get("residual")
+        self.residual = None if r is None else r.to(self.device).clone()
+
+    def reset_error_feedback(self) -> None:
+        self.residual = None
+
+    # ------------------------------------------------------------------ exact
+
+    def _exact(self, x: torch.Tensor) -> torch.Tensor:
+        topo = self.topology
+        N, cn = topo.world_size, self.chunk_numel
+        buf = x
+        if N * cn != self.numel:
+            buf = torch.zeros(N * cn, dtype=x.dtype, device=x.device)
+            buf[: self.numel] = x
+        # A plain reduce-scatter would only bring an inf to the rank owning it: a rank holding a
+        # non-finite value sends NaN everywhere instead (finite inputs travel unchanged, so the
+        # result is bitwise the plain collective's).
+        buf = torch.where(torch.isfinite(x).all(), buf, _NAN)
+        if N == 1:
+            return buf
+        res = torch.empty(cn, dtype=x.dtype, device=x.device)
+        reduce_scatter_flat(res, buf, topo.world_group)
+        item = x.element_size()
+        for link, elems in self._world_elems.items():
+            if elems:
+                self._rec.record("gradients", link, bytes=elems * item, elements=elems, baseline_bytes=elems * item)
+        return res
+
+    # ------------------------------------------------------------------ two-level
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.config.rounding != "stochastic":
+            return None
+        if self._gen is None:
+            # Independent streams per rank: rounding errors of different ranks then cancel.
+            self._gen = torch.Generator(device=device).manual_seed(self.config.seed * 1_000_003 + self.topology.rank + 1)
+        return self._gen
+
+    def _two_level(self, x: torch.Tensor) -> torch.Tensor:
+        topo, c = self.topology, self.config
+        N, L, nodes = topo.world_size, topo.ranks_per_node, topo.nodes
+        cn, C, S = self.chunk_numel, self.padded_chunk, self.slice_numel
+        flat = torch.zeros(N * cn, dtype=torch.float32, device=x.device)
+        flat[: self.numel] = x
+        X = torch.zeros((N, C), dtype=torch.float32, device=x.device)
+        X[:, :cn] = flat.view(N, cn)
+        del flat
+        if c.error_feedback and nodes > 1 and self.residual is None:
+            self.residual = torch.zeros((nodes, C), dtype=torch.float32, device=x.device)
+        sample = self._rec.sample_due(self.calls)
+        gen = self._generator(x.device)
+        result = torch.empty(C, dtype=torch.float32, device=x.device)
+
+        def prepare(j: int) -> torch.Tensor:
+            Xj = X[:, j * S:(j + 1) * S]
+            return hadamard(Xj, c.hadamard_block, c.seed) if c.hadamard else Xj.contiguous()
+
+        def issue_intra(j: int):
+            Xj = prepare(j)
+            if L == 1:
+                return Xj, None, None, None
+            seg = Xj.view(nodes, L, S).transpose(0, 1).reshape(L, nodes * S)  # row l' -> local rank l'
+            q = quantize(seg, self.intra_spec, gen)
+            bad = nonfinite_groups(q).any()
+            q = _poison(q, bad)
+            if sample:
+                others = [k for k in range(L) if k != topo.local_rank]
+                self._rec.record_error("gradients", "intra", _rel_err(dequantize(q)[others], seg[others]))
+            recv, work = all_to_all_rows(pack(q, self.intra_spec), topo.intra_group, async_op=True)
+            return seg, recv, work, bad
+
+        def finish_intra(state) -> torch.Tensor:
+            seg, recv, work, bad = state
+            if recv is None:  # L == 1: the "node partial" is the rank's own input
+                return seg
+            work.wait()
+            parts = dequantize(unpack(recv, self.intra_spec, nodes * S))
+            parts[topo.local_rank] = seg[topo.local_rank]  # own rows exact
+            return (parts.sum(0) + torch.where(bad, _NAN, 0.0)).view(nodes, S)
+
+        def issue_inter(j: int, P: torch.Tensor):
+            if nodes == 1:
+                return P, None, None, None
+            if self.residual is not None:
+                P = P + self.residual[:, j * S:(j + 1) * S]
+            q = quantize(P, self.inter_spec, gen)
+            bad = nonfinite_groups(q).any()
+            q = _poison(q, bad)
+            if self.residual is not None or sample:
+                deq = dequantize(q)
+                if sample:
+                    others = [m for m in range(nodes) if m != topo.node]
+                    self._rec.record_error("gradients", "inter", _rel_err(deq[others], P[others]))
+                if self.residual is not None:
+                    res = P - deq
+                    res[topo.node] = 0  # own row is summed exactly
+                    # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
+                    self.residual[:, j * S:(j + 1) * S] = torch.where(bad, 0.0, res)
+            recv, work = all_to_all_rows(pack(q, self.inter_spec), topo.inter_group, async_op=True)
+            return P, recv, work, bad
+
+        def finish_inter(j: int, state) -> None:
+            P, recv, work, bad = state
+            if recv is None:
+                y = P[0] if nodes == 1 else P[topo.node]
+            else:
+                work.wait()
+                parts = dequantize(unpack(recv, self.inter_spec, S))
+                parts[topo.node] = P[topo.node]
+                y = parts.sum(0) + torch.where(bad, _NAN, 0.0)
+            result[j * S:(j + 1) * S] = inverse_hadamard(y, c.hadamard_block, c.seed) if c.hadamard else y
+
+        # Software pipeline: inter(j) is in flight while intra(j+1) is prepared and exchanged.
+        intra_state = issue_intra(0)
+        for j in range(self.slices):
+            inter_state = issue_inter(j, finish_intra(intra_state))
+            if j + 1 < self.slices:
+                intra_state = issue_intra(j + 1)
+            finish_inter(j, inter_state)
+        self._record_two_level(x.element_size())
+        result[self._valid_own:] = 0  # padding and past-the-end positions
+        return result[:cn]
+
+    def _record_two_level(self, itemsize: int) -> None:
+        topo = self.topology
+        L, nodes, S, k = topo.ranks_per_node, topo.nodes, self.slice_numel, self.slices
+        if L > 1:
+            b = (L - 1) * k * self.intra_spec.wire_bytes(nodes * S)
+            self._rec.record("gradients", "intra", bytes=b, elements=self._intra_elems,
+                             baseline_bytes=self._intra_elems * itemsize)
+        if nodes > 1:
+            b = (nodes - 1) * k * self.inter_spec.wire_bytes(S)
+            self._rec.record("gradients", "inter", bytes=b, elements=self._inter_elems,
+                             baseline_bytes=self._inter_elems * itemsize)

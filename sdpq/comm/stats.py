@@ -1,0 +1,165 @@
+"""Communication statistics: bytes per link class and path, call counts, sampled errors.
+
+Byte accounting model (the same for quantized and exact collectives, so ratios are fair): a
+rank "sends" to every other member of the group the bytes that member needs from it (an
+all-gather of b bytes per rank over k ranks: (k-1)*b; an all-to-all of k rows: the k-1 rows
+that leave the rank). A collective over the whole world is split by link class: the L-1 peers
+of the node are `intra`, the N-L others `inter`. Every byte of the wire buffer counts, codes,
+padding and scales alike. `elements` counts the bucket elements those bytes carry (padding
+excluded), so bits_per_element = 8 * bytes / elements is what crossed the link per useful value.
+
+Counters are per process (per rank); `summary()` reports this rank's view.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+from ..config import StatsConfig
+
+__all__ = ["CommStats", "Recorder", "LinkCounters", "default_recorder", "summary", "reset", "PATHS", "LINKS"]
+
+PATHS = ("weights", "gradients")
+LINKS = ("intra", "inter")
+
+
+@dataclass
+class LinkCounters:
+    bytes: int = 0
+    elements: int = 0
+    calls: int = 0
+    baseline_bytes: int = 0  # what the unquantized collective in the input dtype would send
+    error_samples: int = 0
+    error_sum: float = 0.0
+    error_max: float = 0.0
+    nonfinite_error_samples: int = 0
+
+    def as_dict(self) -> dict:
+        bpe = 8.0 * self.bytes / self.elements if self.elements else float("nan")
+        base = 8.0 * self.baseline_bytes / self.elements if self.elements else float("nan")
+        return {
+            "bytes": self.bytes,
+            "elements": self.elements,
+            "calls": self.calls,
+            "bits_per_element": bpe,
+            "baseline_bits_per_element": base,
+            "compression": (self.baseline_bytes / self.bytes) if self.bytes else float("nan"),
+            "error_samples": self.error_samples,
+            "relative_error_mean": self.error_sum / self.error_samples if self.error_samples else float("nan"),
+            "relative_error_max": self.error_max if self.error_samples else float("nan"),
+        }
+
+
+@dataclass
+class CommStats:
+    """A recorder. Collective objects take one (default: the module-level recorder) and decide
+    with a `Recorder` (their StatsConfig) what to record; `config` here is the default for
+    objects created without a StatsConfig."""
+
+    config: StatsConfig = field(default_factory=StatsConfig)
+    counters: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def _get(self, path: str, link: str) -> LinkCounters:
+        if path not in PATHS or link not in LINKS:
+            raise ValueError(f"unknown path/link {path!r}/{link!r}; allowed {PATHS} x {LINKS}")
+        key = (path, link)
+        if key not in self.counters:
+            self.counters[key] = LinkCounters()
+        return self.counters[key]
+
+    def record(self, path: str, link: str, *, bytes: int, elements: int, baseline_bytes: int = 0,
+               calls: int = 1) -> None:
+        with self._lock:
+            c = self._get(path, link)
+            c.bytes += int(bytes)
+            c.elements += int(elements)
+            c.calls += calls
+            c.baseline_bytes += int(baseline_bytes)
+
+    def record_error(self, path: str, link: str, relative_error: float) -> None:
+        with self._lock:
+            c = self._get(path, link)
+            if not math.isfinite(relative_error):
+                c.nonfinite_error_samples += 1  # a skipped (overflowing) step says nothing of accuracy
+                return
+            c.error_samples += 1
+            c.error_sum += relative_error
+            c.error_max = max(c.error_max, relative_error)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.counters.clear()
+
+    def as_dict(self) -> dict:
+        """{path: {link: {bytes, elements, calls, bits_per_element, ...}}} for recorded pairs."""
+        out: dict = {}
+        for (path, link), c in sorted(self.counters.items()):
+            out.setdefault(path, {})[link] = c.as_dict()
+        return out
+
+    def table(self) -> str:
+        cols = ["path", "link", "calls", "MB sent", "bits/elem", "baseline bits/elem", "compression",
+                "rel err mean", "rel err max"]
+        rows = [cols]
+        for path, links in self.as_dict().items():
+            for link, d in links.items():
+                rows.append([path, link, str(d["calls"]), f"{d['bytes'] / 1e6:.3f}",
+                             f"{d['bits_per_element']:.3f}", f"{d['baseline_bits_per_element']:.3f}",
+                             f"{d['compression']:.2f}x", f"{d['relative_error_mean']:.3g}",
+                             f"{d['relative_error_max']:.3g}"])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+        lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def summary(self) -> tuple[str, dict]:
+        """(a printable table, the same figures as a dict)."""
+        return self.table(), self.as_dict()
+
+
+class Recorder:
+    """What one collective object records, and where (its StatsConfig + a CommStats)."""
+
+    def __init__(self, config: StatsConfig | None = None, stats: CommStats | None = None):
+        self.stats = stats if stats is not None else _DEFAULT
+        self.config = config if config is not None else self.stats.config
+        self.enabled = self.config.enabled
+
+    def sample_due(self, call_index: int) -> bool:
+        """Whether the call with this (per-object, 0-based) index should measure its error."""
+        every = self.config.error_sample_every
+        return self.enabled and every > 0 and call_index % every == 0
+
+    def record(self, path: str, link: str, **kw) -> None:
+        if self.enabled:
+            self.stats.record(path, link, **kw)
+
+    def record_error(self, path: str, link: str, relative_error: float) -> None:
+        if self.enabled:
+            self.stats.record_error(path, link, relative_error)
+
+
+_DEFAULT = CommStats()
+
+
+def default_recorder() -> CommStats:
+    """The process-wide recorder that collectives use unless given another."""
+    return _DEFAULT
+
+
+def summary() -> tuple[str, dict]:
+    """(table, dict) of the process-wide recorder; `sdpq.stats.summary()` re-exports it."""
+    return _DEFAULT.summary()
+
+
+def reset() -> None:
+    _DEFAULT.reset()

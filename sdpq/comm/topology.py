@@ -1,0 +1,164 @@
+"""Node layout of the ranks and the process groups the collectives run on.
+
+Rank r = node * L + local_rank (L = ranks per node), the order every launcher (torchrun,
+deepspeed, mpirun --map-by node) uses. The intra-node group of a rank holds the L ranks of its
+node; the inter-node group holds the `nodes` ranks with the same local index (one per node), so
+a tensor crossing the inter-node group crosses the slow link exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import TopologyConfig
+
+__all__ = ["Topology", "TopologyError"]
+
+
+class TopologyError(ValueError):
+    """A layout that cannot work (wrong divisibility, ranks that disagree, a partial group)."""
+
+
+def _resolve_ranks_per_node(spec: Any) -> int:
+    if isinstance(spec, TopologyConfig):
+        spec = spec.ranks_per_node
+    if spec is None or spec == "auto":
+        value = os.environ.get("LOCAL_WORLD_SIZE")
+        if value is None:
+            raise TopologyError(
+                "sdpq.topology.ranks_per_node='auto' needs the launcher's LOCAL_WORLD_SIZE environment "
+                "variable (torchrun and deepspeed set it); set it or give ranks_per_node as an integer"
+            )
+        try:
+            spec = int(value)
+        except ValueError:
+            raise TopologyError(f"LOCAL_WORLD_SIZE={value!r} is not an integer") from None
+    if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+        raise TopologyError(f"ranks_per_node must be a positive integer or 'auto', got {spec!r}")
+    return spec
+
+
+@dataclass(eq=False)
+class Topology:
+    """This rank's place in the node layout, and its intra/inter-node process groups.
+
+    `intra_group` is None when L == 1 and `inter_group` None when nodes == 1 (a group of one
+    would only add a no-op collective).
+    """
+
+    world_size: int
+    ranks_per_node: int
+    rank: int
+    intra_group: Any = field(repr=False, default=None)
+    inter_group: Any = field(repr=False, default=None)
+    world_group: Any = field(repr=False, default=None)
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def layout(self) -> str:
+        """"nodes x ranks_per_node", e.g. "2x4"."""
+        return f"{self.nodes}x{self.ranks_per_node}"
+
+    def intra_ranks(self, node: int | None = None) -> list[int]:
+        n = self.node if node is None else node
+        return [n * self.ranks_per_node + l for l in range(self.ranks_per_node)]
+
+    def inter_ranks(self, local_rank: int | None = None) -> list[int]:
+        l = self.local_rank if local_rank is None else local_rank
+        return [n * self.ranks_per_node + l for n in range(self.nodes)]
+
+    @classmethod
+    def build(cls, ranks_per_node: TopologyConfig | int | str | None = "auto", *, group=None,
+              timeout: timedelta | None = None) -> "Topology":
+        """Create the groups. Collective: EVERY rank of the world must call it, in the same
+        order relative to other group creations (torch.distributed.new_group's rule).
+
+        `group` (default: the world) must contain every rank in rank order: the layout is a
+        property of the whole job, and sub-groups would need every rank to take part anyway.
+        `timeout` is passed to every new group (default: torch's default for the backend).
+        """
+        if not dist.is_initialized():
+            raise TopologyError("torch.distributed is not initialised (call init_process_group first)")
+        world = dist.group.WORLD
+        world_size = dist.get_world_size()
+        rank = dist.get_rank()
+        if group is not None and group is not world:
+            ranks = dist.get_process_group_ranks(group)
+            if ranks != list(range(world_size)):
+                raise TopologyError(
+                    f"sdpq needs the topology built over the whole world ({world_size} ranks in order); "
+                    f"got a group of ranks {ranks}: build it over dist.group.WORLD on every rank"
+                )
+        L = _resolve_ranks_per_node(ranks_per_node)
+        # Every rank must agree on L and sit where rank = node * L + local_rank; check it with one
+        # small all-gather so that a bad launcher setting fails on all ranks alike instead of
+        # deadlocking in the first collective.
+        local_env = os.environ.get("LOCAL_RANK")
+        mine = torch.tensor([L, int(local_env) if local_env is not None else -1], dtype=torch.int64)
+        backend = dist.get_backend(world)
+        if backend == "nccl":
+            mine = mine.cuda()
+        everyone = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(everyone, mine, group=world)
+        everyone = [t.tolist() for t in everyone]
+        values = {e[0] for e in everyone}
+        if len(values) != 1:
+            raise TopologyError(f"ranks disagree on ranks_per_node: {[e[0] for e in everyone]}")
+        if world_size % L:
+            raise TopologyError(
+                f"world size {world_size} is not divisible by ranks_per_node {L} "
+                "(every node must have the same number of ranks)"
+            )
+        explicit = not (ranks_per_node in (None, "auto")
+                        or isinstance(ranks_per_node, TopologyConfig) and ranks_per_node.ranks_per_node == "auto")
+        if not explicit:
+            bad = [r for r, e in enumerate(everyone) if e[1] != -1 and e[1] != r % L]
+            if bad:
+                raise TopologyError(
+                    f"LOCAL_RANK of ranks {bad} does not match rank % {L}: sdpq assumes rank = node * "
+                    "ranks_per_node + local_rank (launch with contiguous ranks per node)"
+                )
+        topo = cls(world_size=world_size, ranks_per_node=L, rank=rank, world_group=world)
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        # Note: new_group is collective over the world: every rank creates every group, in the
+        # same order, and keeps only its own.
+        if L > 1:
+            for n in range(topo.nodes):
+                g = dist.new_group(topo.intra_ranks(n), **kwargs)
+                if n == topo.node:
+                    topo.intra_group = g
+        if topo.nodes > 1:
+            for l in range(L):
+                g = dist.new_group(topo.inter_ranks(l), **kwargs)
+                if l == topo.local_rank:
+                    topo.inter_group = g
+        return topo
+
+    def check_group(self, group) -> None:
+        """Raise unless `group` is the world this topology was built over (integrations call it
+        with the group a framework hands them)."""
+        if group is None or group is self.world_group:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        if ranks != list(range(self.world_size)):
+            raise TopologyError(
+                f"collective called on a group of ranks {ranks}, but the sdpq topology spans all "
+                f"{self.world_size} ranks ({self.layout}); sdpq does not support sub-group sharding yet"
+            )

@@ -1,0 +1,268 @@
+"""Weight all-gather of one flat bucket (DESIGN.md section 2).
+
+The bucket of `numel` elements is split into N equal shards of C = ceil(numel / N) (the last
+padded with zeros); rank r owns shard r. `gather(shard)` returns the full bucket on every rank.
+
+Modes:
+- "diff": rank (n, l) keeps the node-resident reference R_l = shards {n' * L + l} (fp32 by
+  default). Once per weight version (`mark_dirty()`), the owner sends Q4(shard - R_l[n]) over the
+  inter-node group and every holder of R_l adds the dequantized differences; every gather is
+  then an intra-node all-gather of R_l in the compute dtype. Cross-node traffic: ~4 bits per
+  element once per step instead of 16 bits per gather.
+- "direct": int8 of the weights themselves, all-gathered over the world on every call (stateless).
+- "exact": plain all-gather in the compute dtype.
+
+Note (invariants): compute uses the reconstructed weights on every rank, the owner's own shard
+included; R_l is bitwise identical across its holders because every holder, owner included,
+applies the same dequantized bytes with the same fp32 arithmetic; differences are taken in fp32
+against the reconstruction, so each refresh's error is fed back into the next one (no drift).
+"""
+
+from __future__ import annotations
+
+import warnings
+import torch
+
+from ..config import StatsConfig, WeightsConfig
+from ..quant import QuantSpec, dequantize, nonfinite_groups, pack, quantize, unpack
+from ._exchange import all_gather_rows
+from .stats import CommStats, Recorder
+from .topology import Topology
+
+__all__ = ["WeightGather", "ReferenceMismatchWarning"]
+
+_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+class ReferenceMismatchWarning(RuntimeWarning):
+    """verify_every found holders of one reference disagreeing; the reference was resynced."""
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of the raw bits (plain and position-weighted): equal on bitwise-equal
+    tensors, different on virtually any corruption (a flipped bit changes the plain sum)."""
+    bits = t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16).flatten().to(torch.int64)
+    weights = torch.arange(bits.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
+    return torch.stack((bits.sum(), (bits * weights).sum()))
+
+
+class WeightGather:
+    """All-gather of one flat bucket. Every rank builds it with the same arguments and calls
+    every method collectively (all ranks, same order), like any torch.distributed collective.
+
+    numel: elements of the full bucket. dtype: the compute dtype of the gathered output
+    (default fp32). reference_dtype: storage of R_l in diff mode (fp32, or bf16 to halve it).
+    stats / recorder: what to record (StatsConfig) and where (default: sdpq.stats's recorder).
+    """
+
+    def __init__(self, numel: int, topology: Topology, config: WeightsConfig | None = None, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 reference_dtype: torch.dtype = torch.float32, stats: StatsConfig | None = None,
+                 recorder: CommStats | None = None):
+        if numel < 1:
+            raise ValueError(f"WeightGather: numel must be positive, got {numel}")
+        self.config = config or WeightsConfig()
+        self.topology = topology
+        self.numel = numel
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.reference_dtype = reference_dtype
+        N = topology.world_size
+        self.shard_numel = -(-numel // N)
+        self.padded_numel = self.shard_numel * N
+        # Valid (non-padding) elements of every shard, for honest per-element byte counts.
+        self._valid = [max(0, min(self.shard_numel, numel - r * self.shard_numel)) for r in range(N)]
+        c = self.config
+        self.spec = QuantSpec(bits=c.bits if c.mode == "diff" else 8, group_size=c.group_size,
+                              rounding=c.rounding, scale_dtype=_SCALE_DTYPES[c.scale_dtype])
+        self.reference: torch.Tensor | None = None  # R_l: [nodes, C]
+        self.dirty = True
+        self.version = 0  # refreshes done
+        self.calls = 0  # gathers done
+        self._force_exact = False
+        self._rec = Recorder(stats, recorder)
+        self._gen: torch.Generator | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def mark_dirty(self, resync: bool = False) -> None:
+        """The weights changed (optimizer step, checkpoint load, a manual edit): the next gather
+        refreshes the reference. `resync=True` makes that refresh exact. Call on every rank."""
+        self.dirty = True
+        self._force_exact = self._force_exact or resync
+
+    def gather(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's shard (any float dtype, <= shard_numel elements) -> the full bucket
+        (`numel` elements, or `out`'s, which may hold numel or padded_numel elements)."""
+        if shard.numel() > self.shard_numel:
+            raise ValueError(f"shard has {shard.numel()} elements, more than shard_numel {self.shard_numel}")
+        dtype = out.dtype if out is not None else self.dtype
+        mode = self.config.mode
+        # Note: read the shard into a copy before writing `out` (FSDP2 passes a slice of out as
+        # the input). fp32 for the quantized modes (differences in fp32), the output dtype for
+        # the exact one (bitwise the plain gather, whatever the dtype).
+        w = torch.zeros(self.shard_numel, dtype=dtype if mode == "exact" else torch.float32, device=shard.device)
+        w[: shard.numel()] = shard.detach().reshape(-1)
+        wire_dtype = shard.dtype
+        if mode == "diff":
+            if self.dirty:
+                self._refresh(w, wire_dtype)
+            full = self._gather_reference(dtype)
+        elif mode == "direct":
+            full = self._gather_direct(w, dtype)
+        else:
+            full = self._gather_exact(w, dtype)
+        self.calls += 1
+        if out is None:
+            return full[: self.numel]
+        if out.numel() not in (self.numel, self.padded_numel):
+            raise ValueError(f"out has {out.numel()} elements; expected {self.numel} or {self.padded_numel}")
+        out.view(-1).copy_(full[: out.numel()])
+        return out
+
+    __call__ = gather
+
+    def reconstructed_shard(self) -> torch.Tensor:
+        """diff mode: this rank's own shard as every rank reconstructs it (fp32, C elements)."""
+        if self.reference is None:
+            raise RuntimeError("no reference yet: gather at least once")
+        return self.reference[self.topology.node].float()
+
+    def state_dict(self) -> dict:
+        """The reference state (per rank) for checkpoints: restore it with load_state_dict."""
+        return {
+            "mode": self.config.mode,
+            "layout": self.topology.layout,
+            "numel": self.numel,
+            "version": self.version,
+            "reference": None if self.reference is None else self.reference.detach().clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a saved reference; the next gather refreshes (the weights were loaded too) with
+        a difference against the restored reference, not an exact exchange."""
+        for key, mine in (("mode", self.config.mode), ("layout", self.topology.layout), ("numel", self.numel)):
+            if state.get(key) != mine:
+                raise ValueError(f"WeightGather state has {key}={state.get(key)!r}, this gather has {mine!r}")
+        ref = state["reference"]
+        self.reference = None if ref is None else ref.to(self.device, self.reference_dtype).clone()
+        self.version = int(state["version"])
+        self.dirty = True
+
+    # ------------------------------------------------------------------ diff mode
+
+    def _refresh(self, w: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        topo, c = self.topology, self.config
+        if self.reference is None:
+            self.reference = torch.zeros((topo.nodes, self.shard_numel), dtype=self.reference_dtype,
+                                         device=w.device)
+            self.version = 0
+        exact = (self.version == 0 or self._force_exact
+                 or (c.resync_every > 0 and self.version % c.resync_every == 0))
+        if topo.nodes == 1:
+            # One holder and no slow link: the reference is just the shard.
+            self.reference[0] = w
+        else:
+            if not exact and c.verify_every > 0 and self.version % c.verify_every == 0 and self._mismatch():
+                exact = True
+            if exact:
+                self._exchange_exact(w, wire_dtype)
+            else:
+                self._exchange_diff(w)
+        if self._rec.sample_due(self.version):
+            own = self.reference[topo.node].float()
+            self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra",
+                                   float((own - w).norm() / w.norm().clamp_min(1e-30)))
+        self.version += 1
+        self.dirty = False
+
+    def _exchange_exact(self, w: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        topo = self.topology
+        # Send the shard in its own dtype: exact, and no more bytes than an ordinary gather.
+        row = w.to(wire_dtype).view(torch.uint8)
+        rows, _ = all_gather_rows(row, topo.inter_group)
+        self.reference.copy_(rows.view(wire_dtype).float())
+        self._force_exact = False
+        self._record_refresh(row.numel())
+
+    def _exchange_diff(self, w: torch.Tensor) -> None:
+        topo = self.topology
+        d = w - self.reference[topo.node].float()  # Note: fp32 difference against the reconstruction
+        if self.spec.rounding == "stochastic" and self._gen is None:
+            self._gen = torch.Generator(device=w.device).manual_seed(0x5D9 + topo.rank)
+        row = pack(quantize(d, self.spec, self._gen), self.spec)
+        rows, _ = all_gather_rows(row, topo.inter_group)
+        q = unpack(rows, self.spec, self.shard_numel)
+        # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
+        self.reference.copy_(self.reference.float() + dequantize(q))
+        if bool(nonfinite_groups(q).any()):
+            # An inf/nan weight poisons R_l (and so the gathered weights, visibly); the next
+            # refresh is exact so that the reference recovers once the weights are finite again.
+            self._force_exact = True
+        self._record_refresh(row.numel())
+
+    def _record_refresh(self, row_bytes: int) -> None:
+        # Baseline: the same elements crossing the link in the compute dtype (a plain gather).
+        peers = self.topology.nodes - 1
+        valid = self._valid[self.topology.rank]
+        self._rec.record("weights", "inter", bytes=peers * row_bytes, elements=peers * valid,
+                         baseline_bytes=peers * valid * self.dtype.itemsize)
+
+    def _mismatch(self) -> bool:
+        """Compare the checksum of R_l across its holders (the inter-node group). Every holder
+        sees the same gathered sums, so all of them take the same decision."""
+        topo = self.topology
+        sums, _ = all_gather_rows(_checksum(self.reference), topo.inter_group)
+        self._rec.record("weights", "inter", bytes=(topo.nodes - 1) * 16, elements=0)
+        if bool((sums == sums[0]).all()):
+            return False
+        warnings.warn(
+            f"sdpq: the weight reference of local index {topo.local_rank} differs between nodes "
+            f"(checksums {sums.tolist()}); resyncing it exactly", ReferenceMismatchWarning, stacklevel=4)
+        return True
+
+    def _gather_reference(self, dtype: torch.dtype) -> torch.Tensor:
+        topo = self.topology
+        L, nodes, C = topo.ranks_per_node, topo.nodes, self.shard_numel
+        # Note: copy=True: the output must never alias the reference (the next refresh edits it).
+        src = self.reference.to(dtype, copy=True).reshape(-1)
+        rows, _ = all_gather_rows(src, topo.intra_group)  # [L, nodes * C]
+        if L > 1:
+            itemsize = src.element_size()
+            valid = sum(self._valid[n * L + topo.local_rank] for n in range(nodes))
+            self._rec.record("weights", "intra", bytes=(L - 1) * src.numel() * itemsize,
+                             elements=(L - 1) * valid, baseline_bytes=(L - 1) * valid * itemsize)
+        # [L, nodes, C] -> global order [nodes, L, C]: chunk n * L + l.
+        return rows.view(L, nodes, C).transpose(0, 1).reshape(-1)
+
+    # ------------------------------------------------------------------ direct / exact
+
+    def _record_world(self, row_bytes: int, itemsize: int) -> None:
+        topo = self.topology
+        L, N = topo.ranks_per_node, topo.world_size
+        valid = self._valid[topo.rank]
+        for link, peers in (("intra", L - 1), ("inter", N - L)):
+            if peers:
+                self._rec.record("weights", link, bytes=peers * row_bytes, elements=peers * valid,
+                                 baseline_bytes=peers * valid * itemsize)
+
+    def _gather_direct(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        topo = self.topology
+        if self.spec.rounding == "stochastic" and self._gen is None:
+            self._gen = torch.Generator(device=w.device).manual_seed(0x5D9 + topo.rank)
+        row = pack(quantize(w, self.spec, self._gen), self.spec)
+        rows, _ = all_gather_rows(row, topo.world_group)
+        # Note: every rank decodes every shard from the same bytes, its own included.
+        full = dequantize(unpack(rows, self.spec, self.shard_numel))
+        self._record_world(row.numel(), dtype.itemsize)
+        if self._rec.sample_due(self.calls):
+            own = full[topo.rank]
+            self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra",
+                                   float((own - w).norm() / w.norm().clamp_min(1e-30)))
+        return full.to(dtype).reshape(-1)
+
+    def _gather_exact(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        topo = self.topology
+        rows, _ = all_gather_rows(src, topo.world_group)
+        self._record_world(src.numel() * src.element_size(), src.element_size())
+        return rows.reshape(-1)

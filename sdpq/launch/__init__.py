@@ -1,0 +1,1 @@
+"""Launch helpers (application layer): an emulated multi-node cluster on one Linux machine."""

@@ -1,0 +1,65 @@
+"""What one training run is (backend, model, data, schedule, sdpq block) and what it reports.
+
+Both backends (``fsdp_backend.train``, ``deepspeed_backend.train``) take a ``RunSpec`` and
+return a ``RunResult``, so the demo, the benchmarks and ``python -m sdpq.train`` treat them alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .model import GPTConfig
+
+__all__ = ["RunSpec", "RunResult", "lr_at"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    model: GPTConfig = field(default_factory=GPTConfig)
+    sdpq: dict[str, Any] | None = None  # the "sdpq" block; None = the unquantized baseline
+    steps: int = 200
+    micro_batch: int = 4  # sequences per rank per micro-step
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    bf16: bool = False  # bf16 parameters/compute (MCF master needs it)
+    seed: int = 0
+    data: str | None = None  # None = the stdlib corpus; else a dir of text or a Megatron prefix
+    ranks_per_node: int | str = "auto"
+    checkpoint_dir: str | None = None
+    save_at: int | None = None  # save a checkpoint after this step
+    resume: bool = False  # load the checkpoint in checkpoint_dir and continue
+    eval_batches: int = 8
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("fsdp2", "deepspeed"):
+            raise ValueError(f"RunSpec.backend: {self.backend!r}; allowed: 'fsdp2', 'deepspeed'")
+        for name in ("steps", "micro_batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunSpec.{name}: {getattr(self, name)!r}; allowed: an integer >= 1")
+
+
+@dataclass
+class RunResult:
+    losses: list[float]  # training loss of every step (mean over ranks), index 0 = step 1
+    val_loss: float
+    step_seconds: float  # median wall time per step after warm-up
+    comm: dict[str, Any]  # sdpq.stats summary dict (bytes per link and path)
+    cross_node_bytes_per_step: float
+    optimizer_bytes_per_param: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_at(spec: RunSpec, step: int) -> float:
+    """Linear warm-up then cosine decay to 10% (step counts from 0)."""
+    if step < spec.warmup:
+        return spec.lr * (step + 1) / spec.warmup
+    t = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))

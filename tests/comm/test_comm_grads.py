@@ -1,0 +1,160 @@
+"""Two-level quantized reduce-scatter on real gloo ranks (sdpq.comm.grads)."""
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+from comm_reference import all_inputs, check_bound, exact_chunk, rs_error_bound
+from sdpq.comm import CommStats, GradReduceScatter, Topology
+from sdpq.config import GradientsConfig
+
+LAYOUTS = [(1, 4), (4, 1), (2, 2), (3, 2), (2, 4)]  # (nodes, ranks per node)
+IDS = [f"{n}x{l}" for n, l in LAYOUTS]
+
+
+def _rs_case(ctx, numel, cfg_kwargs, kind, seed):
+    topo = Topology.build(ctx.ranks_per_node)
+    rec = CommStats()
+    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), recorder=rec)
+    inputs = all_inputs(ctx.world_size, numel, kind, seed)
+    out = rs(inputs[ctx.rank].clone())
+    exact = exact_chunk(inputs, ctx.rank)
+    rel = float((out.double() - exact).norm() / exact.norm())
+    ratio = None
+    if rs.config.mode == "two_level":
+        bound, kind_ = rs_error_bound(inputs, ctx.rank, ctx.ranks_per_node, rs)
+        ratio = check_bound(out, exact, bound, kind_, rs.config.hadamard_block)
+    return {"out": out, "exact": exact, "rel": rel, "ratio": ratio, "stats": rec.as_dict()}
+
+
+@pytest.mark.parametrize("nodes,rpn", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("cfg", [
+    {},  # defaults: stochastic rounding, Hadamard, group 128, 8-bit intra / 4-bit inter
+    {"rounding": "nearest", "hadamard": False, "pipeline_chunks": 2},
+], ids=["default", "nearest-noH-pipe2"])
+def test_matches_fp64_sum_within_bound(dist, nodes, rpn, cfg):
+    res = dist.run(_rs_case, nodes * rpn, rpn, 4096 * nodes * rpn, cfg, "normal", 1)
+    for r in res:
+        assert r["ratio"] <= 1.0, r["ratio"]
+        assert r["rel"] < (0.2 if nodes > 1 else 0.02), r["rel"]  # 4-bit stochastic: ~0.1-0.15
+    print(f"layout {nodes}x{rpn} {cfg or 'default'}: rel err max "
+          f"{max(r['rel'] for r in res):.4g}, max err/bound {max(r['ratio'] for r in res):.3f}")
+
+
+@pytest.mark.parametrize("numel", [1, 1001, 12345])
+def test_any_bucket_length(dist, numel):
+    res = dist.run(_rs_case, 6, 2, numel, {"pipeline_chunks": 3}, "normal", 2)
+    for r in res:
+        assert r["out"].shape == r["exact"].shape
+        assert r["ratio"] <= 1.0
+    c = -(-numel // 6)
+    assert all(torch.all(res[k]["out"][max(0, numel - k * c):] == 0) for k in range(6))
+
+
+def _exact_vs_plain(ctx, numel, kind):
+    topo = Topology.build(ctx.ranks_per_node)
+    rs = GradReduceScatter(numel, topo, GradientsConfig(mode="exact"), recorder=CommStats())
+    inputs = all_inputs(ctx.world_size, numel, kind, 3)
+    out = rs(inputs[ctx.rank].clone())
+    plain = torch.empty(numel // ctx.world_size)
+    torch_dist.reduce_scatter_tensor(plain, inputs[ctx.rank].clone())
+    return out, plain, exact_chunk(inputs, ctx.rank)
+
+
+@pytest.mark.parametrize("nodes,rpn", LAYOUTS, ids=IDS)
+def test_exact_mode_is_exact(dist, nodes, rpn):
+    N = nodes * rpn
+    for out, plain, _ in dist.run(_exact_vs_plain, N, rpn, 1000 * N, "normal"):
+        assert torch.equal(out, plain)  # bitwise the unquantized collective
+    for out, _, exact in dist.run(_exact_vs_plain, N, rpn, 1000 * N, "integer"):
+        assert torch.equal(out.double(), exact)  # and the fp64 sum when fp32 sums are exact
+
+
+def _pipeline_equivalence(ctx, numel):
+    topo = Topology.build(ctx.ranks_per_node)
+    x = all_inputs(ctx.world_size, numel, "normal", 4)[ctx.rank]
+    outs = []
+    for k in (1, 4):
+        cfg = GradientsConfig(rounding="nearest", pipeline_chunks=k)
+        outs.append(GradReduceScatter(numel, topo, cfg, recorder=CommStats())(x.clone()))
+    return outs
+
+
+def test_pipelining_changes_nothing_but_timing(dist):
+    # Slices are aligned to groups and Hadamard blocks: with nearest rounding the result is
+    # bitwise the same however many slices overlap.
+    for one, four in dist.run(_pipeline_equivalence, 4, 2, 4 * 4096):
+        assert torch.equal(one, four)
+
+
+def _hadamard_gain(ctx, numel, kind):
+    errs = {}
+    for h in (False, True):
+        res = _rs_case(ctx, numel, {"hadamard": h, "rounding": "nearest"}, kind, 5)
+        errs[h] = res["rel"]
+    return errs
+
+
+@pytest.mark.parametrize("kind", ["student_t", "outliers"])
+def test_hadamard_cuts_error_on_heavy_tails(dist, kind):
+    res = dist.run(_hadamard_gain, 4, 2, 4 * 8192, kind)
+    without = sum(r[False] for r in res) / len(res)
+    with_h = sum(r[True] for r in res) / len(res)
+    print(f"{kind}: rel err without Hadamard {without:.4g}, with {with_h:.4g}, ratio {without / with_h:.2f}")
+    assert without >= 2 * with_h
+
+
+def _error_feedback(ctx, numel, steps, ef):
+    topo = Topology.build(ctx.ranks_per_node)
+    rs = GradReduceScatter(numel, topo, GradientsConfig(error_feedback=ef), recorder=CommStats())
+    acc_out = torch.zeros(rs.chunk_numel, dtype=torch.float64)
+    acc_exact = torch.zeros(rs.chunk_numel, dtype=torch.float64)
+    for t in range(steps):
+        # A slowly varying gradient: a fixed direction plus fresh noise, like consecutive steps.
+        inputs = all_inputs(ctx.world_size, numel, "normal", 6) + 0.3 * all_inputs(ctx.world_size, numel, "normal", 100 + t)
+        acc_out += rs(inputs[ctx.rank].clone()).double()
+        acc_exact += exact_chunk(inputs, ctx.rank)
+    return float((acc_out - acc_exact).norm() / acc_exact.norm())
+
+
+def test_error_feedback_cuts_accumulated_error(dist):
+    without = dist.run(_error_feedback, 4, 2, 4 * 2048, 50, False)
+    with_ef = dist.run(_error_feedback, 4, 2, 4 * 2048, 50, True)
+    ratio = sum(without) / sum(with_ef)
+    print(f"accumulated rel err over 50 calls: without EF {sum(without) / 4:.4g}, "
+          f"with EF {sum(with_ef) / 4:.4g}, ratio {ratio:.2f}")
+    assert ratio >= 2
+
+
+@pytest.mark.parametrize("nodes,rpn", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
+def test_wire_bits_per_element(dist, nodes, rpn):
+    N = nodes * rpn
+    res = dist.run(_rs_case, N, rpn, 8192 * N, {"pipeline_chunks": 2}, "normal", 7)
+    for r in res:
+        intra = r["stats"]["gradients"]["intra"]["bits_per_element"]
+        inter = r["stats"]["gradients"]["inter"]["bits_per_element"]
+        assert intra <= 8.3 and inter <= 4.3, (intra, inter)
+    print(f"{nodes}x{rpn}: gradients intra {intra:.4f} bits/elem, inter {inter:.4f} bits/elem")
+
+
+def _nonfinite(ctx, numel, cfg_kwargs, value, bad_rank, steps):
+    topo = Topology.build(ctx.ranks_per_node)
+    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), recorder=CommStats())
+    outs = []
+    for t in range(steps):
+        x = all_inputs(ctx.world_size, numel, "normal", 8)[ctx.rank].clone()
+        if t == 0 and ctx.rank == bad_rank:
+            x[numel // 3] = value
+        outs.append(rs(x))
+    return [bool(torch.isfinite(o).all()) for o in outs], [bool(torch.isnan(o).any() or torch.isinf(o).any()) for o in outs]
+
+
+@pytest.mark.parametrize("nodes,rpn", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_nonfinite_reaches_every_rank(dist, nodes, rpn, value):
+    N = nodes * rpn
+    for cfg in ({"error_feedback": True}, {"mode": "exact"}):
+        res = dist.run(_nonfinite, N, rpn, 512 * N, cfg, value, N - 1, 2)
+        for finite, nonfinite in res:
+            assert nonfinite[0] and not finite[0]  # the poisoned call is non-finite everywhere
+            assert finite[1]  # and the next call recovers (no NaN kept in the residual)

@@ -1,0 +1,37 @@
+"""Shared pytest setup: the multi-rank `dist` fixture (see tests/README.md and tests/harness.py)."""
+
+import os
+
+# Note: must happen before torch is imported anywhere in this process: the harness forks worker
+# ranks from it, and a child forked after an OpenMP thread pool started can deadlock.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import sys  # noqa: E402
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import pytest  # noqa: E402
+
+import harness as _harness  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def _dist_session():
+    h = _harness.get_harness()
+    yield h
+    _harness.shutdown_harness()
+
+
+@pytest.fixture
+def dist(_dist_session):
+    """`dist.run(fn, world_size, ranks_per_node, *args, timeout=60) -> [result of rank 0, ...]`
+    runs module-level `fn(ctx, *args)` on real gloo ranks from a reused worker pool."""
+    return _dist_session
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Also reached on Ctrl-C: never leave a rank behind.
+    _harness.shutdown_harness()
