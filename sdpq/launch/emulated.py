@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="measure the shaped link with TCP before running")
     p.add_argument("--timeout", type=float, default=3600, help="kill the job after this many seconds")
     p.add_argument("--cleanup", action="store_true", help="only delete namespaces left by killed runs")
+    p.add_argument("--per-node", action="store_true",
+                   help="run the command as given on every node (a per-node launcher script) with NNODES, "
+                        "NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, NODE_ADDR set, instead of wrapping it in torchrun")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args | -- -m module args")
 
 
@@ -92,10 +95,13 @@ def main(args: argparse.Namespace) -> int:
             endpoint = f"{cluster.address(0)}:{args.port}"
             job = f"sdpq-{os.getpid()}"
             for i in range(args.nodes):
-                cmd = cluster.exec_prefix(i) + torchrun_command(args.nodes, i, args.ranks_per_node, endpoint, job, command,
-                                                               cluster.address(i))
+                node_env = dict(env, NNODES=str(args.nodes), NODE_RANK=str(i), NPROC_PER_NODE=str(args.ranks_per_node),
+                                MASTER_ADDR=cluster.address(0), NODE_ADDR=cluster.address(i))
+                job_cmd = command if args.per_node else torchrun_command(
+                    args.nodes, i, args.ranks_per_node, endpoint, job, command, cluster.address(i))
+                cmd = cluster.exec_prefix(i) + job_cmd
                 print(f"[sdpq cluster] node {i} ({cluster.address(i)}): {shlex.join(cmd)}", flush=True)
-                procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+                procs.append(subprocess.Popen(cmd, env=node_env, start_new_session=True))
             deadline = time.monotonic() + args.timeout
             while any(p.poll() is None for p in procs):
                 if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
