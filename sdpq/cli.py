@@ -19,6 +19,7 @@ _BENCHES = {
     "quant": ("sdpq.bench.quant", "throughput of the quantization primitives vs a plain copy"),
     "comm": ("sdpq.bench.comm", "wire bits and time of the collectives vs unquantized ones"),
     "optim": ("sdpq.bench.optim", "optimizer step time and bytes/param vs torch.optim.AdamW"),
+    "scaling": ("sdpq.bench.scaling", "time model: predicted TFLOP/s on published clusters vs SDP4Bit"),
 }
 
 
