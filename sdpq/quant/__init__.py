@@ -1,5 +1,7 @@
 """Quantization math: pure tensor functions, no torch.distributed (layers above build on these)."""
 
+from . import mcf
+from .fp8 import FP8Quantized, dequantize_fp8, fp8_empty, quantize_fp8
 from .groupwise import QuantSpec, Quantized, dequantize, nonfinite_groups, quantize
 from .hadamard import hadamard, inverse_hadamard
 from .wire import decode, encode, pack, unpack
@@ -16,4 +18,9 @@ __all__ = [
     "decode",
     "hadamard",
     "inverse_hadamard",
+    "FP8Quantized",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "fp8_empty",
+    "mcf",
 ]

@@ -1,0 +1,85 @@
+"""``sdpq bench optim``: optimizer step time and bytes per parameter of each sdpq.optim.AdamW
+mode, next to torch.optim.AdamW (foreach) on fp32 master weights measured in the same run.
+
+bytes_per_param comes from sdpq.optim.memory_report (tensors that exist: weights,
+compensation, states, metadata; gradients excluded). The baseline counts its fp32 master,
+its two fp32 states and the bf16 compute weights mixed-precision training keeps next to them
+(14 bytes/param). ``vs_baseline`` = step_seconds / baseline_step_seconds.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..optim import AdamW, memory_report
+from .report import default_device, seconds_per_call
+
+COLUMNS = ["states", "master", "v", "numel", "device", "bytes_per_param", "baseline_bytes_per_param",
+           "step_seconds", "baseline_step_seconds", "vs_baseline"]
+
+# name -> (states, master, mcf_second_moment)
+MODES = {
+    "fp8+mcf": ("fp8", "mcf", False),
+    "fp8+native": ("fp8", "native", False),
+    "fp8+mcf+pair": ("fp8", "mcf", True),
+    "bf16+mcf": ("bf16", "mcf", False),
+    "bf16+native": ("bf16", "native", False),
+    "fp32+native": ("fp32", "native", False),
+}
+_ROW = 1024  # a hidden size: parameters are [rows, 1024] matrices of at most 4M elements
+
+
+def _shapes(numel: int) -> list[tuple[int, int]]:
+    rows, per = -(-numel // _ROW), (4 << 20) // _ROW
+    return [(min(per, rows - r), _ROW) for r in range(0, rows, per)]
+
+
+def _params(numel: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for shape in _shapes(numel):
+        p = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype).requires_grad_()
+        p.grad = (torch.randn(shape, generator=g, device=device) * 1e-3).to(dtype)
+        out.append(p)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--numel", type=int, nargs="+", default=None,
+                   help="parameter counts (default: 1M 10M on CPU, 1M 10M 100M on CUDA)")
+    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES), help="sdpq modes to run")
+    p.add_argument("--v-format", choices=["e4m3", "e5m2"], default="e4m3", help="FP8 format of v")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--min-run-time", type=float, default=0.5, help="seconds of timing per measurement")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device) if args.device else default_device()
+    sizes = args.numel or ([1 << 20, 10 << 20] if device.type == "cpu" else [1 << 20, 10 << 20, 100 << 20])
+    records = []
+    for n in sizes:
+        master = _params(n, torch.float32, device)
+        baseline = torch.optim.AdamW(master, lr=1e-4, foreach=True)
+        baseline.step()  # states exist from here on
+        compute = [p.detach().to(torch.bfloat16) for p in master]
+        base_bpp = memory_report(baseline, extra_weights=compute)["bytes_per_param"]
+        del compute
+        for name in args.modes:
+            states, mode_master, pair = MODES[name]
+            params = _params(n, torch.bfloat16 if mode_master == "mcf" else torch.float32, device)
+            opt = AdamW(params, lr=1e-4, states=states, master=mode_master, mcf_second_moment=pair,
+                        v_format=args.v_format)
+            opt.step()
+            # the baseline is timed right next to each mode, so both see the same machine load
+            base_s = seconds_per_call(baseline.step, args.min_run_time)
+            step_s = seconds_per_call(opt.step, args.min_run_time)
+            rep = memory_report(opt)
+            v = "pair" if pair else (args.v_format if states == "fp8" else states)
+            records.append(dict(states=states, master=mode_master, v=v, numel=rep["numel"], device=device.type,
+                                bytes_per_param=rep["bytes_per_param"], baseline_bytes_per_param=base_bpp,
+                                step_seconds=step_s, baseline_step_seconds=base_s, vs_baseline=step_s / base_s,
+                                breakdown=rep["per_param"]))
+            del params, opt
+        del master, baseline
+    return records

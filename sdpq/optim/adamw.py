@@ -1,0 +1,219 @@
+"""AdamW with compressed states (FP8 with COAT expansion, bf16, or fp32) and optional MCF
+master weights (Collage): DESIGN.md section 4.
+
+The update is torch.optim.AdamW's (decoupled weight decay, bias correction, same operation
+order), evaluated in fp32 chunk by chunk: decode m and v, update them, encode them back, apply
+the step. ``states="fp32", master="native"`` therefore reproduces torch.optim.AdamW.
+
+State is keyed by the parameter tensor itself, like every torch optimizer: DeepSpeed ZeRO-3
+puts the same flat partition tensor into ``param_groups`` for each step() (and reads
+``optimizer.state[partition]`` itself); a (group, position) key would collide between its
+sub-groups, which share group index and position 0.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..quant import mcf
+from . import checkpoint, guard, states
+from .layout import chunk_numel, chunks, fp8_groups_ok, local, rows
+
+__all__ = ["AdamW"]
+
+_STATES = ("fp8", "bf16", "fp32")
+_MASTERS = ("mcf", "native")
+_V_FORMATS = ("e4m3", "e5m2")
+
+
+def _check_group(group: dict) -> None:
+    def bad(key, allowed):
+        raise ValueError(f"{key}={group[key]!r}: allowed values are {allowed}")
+
+    if group["states"] not in _STATES:
+        bad("states", _STATES)
+    if group["master"] not in _MASTERS:
+        bad("master", _MASTERS)
+    if group["v_format"] not in _V_FORMATS:
+        bad("v_format", _V_FORMATS)
+    if not isinstance(group["mcf_second_moment"], bool):
+        bad("mcf_second_moment", "True or False")
+    if not isinstance(group["group_size"], int) or group["group_size"] < 1:
+        bad("group_size", "a positive integer (COAT uses 128)")
+    if not 0.0 <= float(group["lr"]):
+        bad("lr", ">= 0")
+    if not 0.0 <= float(group["eps"]):
+        bad("eps", ">= 0")
+    if not 0.0 <= float(group["weight_decay"]):
+        bad("weight_decay", ">= 0")
+    b1, b2 = group["betas"]
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        bad("betas", "two floats in [0, 1)")
+    if group["master"] == "mcf":
+        for p in group["params"]:
+            _check_mcf_param(p)
+
+
+def _check_mcf_param(p: Tensor) -> None:
+    if p.dtype != torch.bfloat16:
+        raise ValueError(f"master='mcf' needs bfloat16 parameters (the parameter is the high part of the "
+                         f"pair), got {p.dtype} for a parameter of shape {tuple(p.shape)}; use "
+                         f"master='native' for {p.dtype} parameters")
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW whose m and v live in FP8 / bf16 / fp32 and whose master weights are native or MCF.
+
+    states: "fp8" (m E4M3, v ``v_format``, per-group expansion metadata), "bf16" or "fp32".
+    master: "mcf" = the bf16 parameter is the high part, a bf16 compensation buffer the low
+        part; updates are applied with Grow so updates below half an ulp are kept.
+        "native" = the parameter's own dtype is the master (e.g. fp32 FSDP2/DeepSpeed shards).
+    mcf_second_moment: keep v as a bf16 pair with an exact beta2 product (Collage "plus").
+        Plain bf16 cannot hold v's per-step change when 1 - beta2 is below its half ulp
+        (2^-9): with beta2 = 0.999, v only ratchets up (+6% after 1000 steps in the tests).
+        FP8 v is re-gridded by its group metadata every step and scatters without drifting.
+    on_nonfinite: "skip" (whole step skipped, ``skipped_steps`` += 1, warning) or "raise".
+    sync_group: process group that must agree on skipping (e.g. ZeRO-3's data-parallel group;
+        the meshes of DTensor parameters are always included).
+    DTensor parameters whose last dim is sharded, or 1-D DTensors, keep fp32 states when
+    states="fp8" (their FP8 groups would depend on the shard boundaries).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, states: str = "fp8", master: str = "mcf",
+                 mcf_second_moment: bool = False, group_size: int = 128, v_format: str = "e4m3",
+                 on_nonfinite: str = "skip", sync_group=None):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, states=states,
+                        master=master, mcf_second_moment=mcf_second_moment, group_size=group_size,
+                        v_format=v_format)
+        self.on_nonfinite = guard.check_on_nonfinite(on_nonfinite)
+        self.sync_group = sync_group
+        self.skipped_steps = 0
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    # ------------------------------------------------------------------ state layout
+    def _init_state(self, p: Tensor, group: dict) -> dict:
+        pl = local(p)
+        if not pl.is_contiguous():
+            raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous: sdpq.optim.AdamW updates "
+                             "the storage in place through a flat view")
+        st = self.state[p]
+        st["step"] = torch.tensor(0.0)
+        fm, fv = self.formats(p, group)
+        G = group["group_size"]
+        states.allocate(st, "exp_avg", fm, pl.shape, pl.device, "e4m3", G)
+        states.allocate(st, "exp_avg_sq", fv, pl.shape, pl.device, group["v_format"], G)
+        if group["master"] == "mcf":
+            _check_mcf_param(p)
+            st["master_lo"] = torch.zeros_like(pl)
+        return st
+
+    def _state_for(self, p: Tensor, group: dict) -> dict:
+        st = self.state.get(p)
+        if not st:
+            return self._init_state(p, group)
+        ref = st.get("exp_avg_codes", st.get("exp_avg"))
+        if ref is not None and ref.numel() != local(p).numel():
+            raise ValueError(f"state of a parameter has {ref.numel()} elements but the parameter now has "
+                             f"{local(p).numel()}: a flat partition was resized or replaced by a different one")
+        return st
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo, names = [], []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"param_groups[{gi}]['params'][{pi}] has a sparse gradient: "
+                                           "sdpq.optim.AdamW supports dense gradients only")
+                    todo.append((p, group))
+                    names.append(f"param_groups[{gi}]['params'][{pi}]")
+        every = [p for g in self.param_groups for p in g["params"]]
+        bad = guard.nonfinite_index([p for p, _ in todo], every, self.sync_group)
+        if bad is not None:
+            self.skipped_steps += 1
+            guard.handle(bad, names, self.on_nonfinite, self.skipped_steps)
+            return loss
+        for p, group in todo:
+            self._update(p, group, self._state_for(p, group))
+        return loss
+
+    def _update(self, p: Tensor, group: dict, st: dict) -> None:
+        st["step"] += 1
+        pl = local(p)
+        if pl.numel() == 0:
+            return
+        step = float(st["step"])  # a CPU tensor, as in torch: no device sync
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        b1, b2 = group["betas"]
+        G, vf8 = group["group_size"], group["v_format"]
+        bias_correction2_sqrt = (1 - b2**step) ** 0.5
+        step_size = lr / (1 - b1**step)
+        fm, fv = states.stored_format(st, "exp_avg"), states.stored_format(st, "exp_avg_sq")
+        if fv == "pair":
+            b2_hi, b2_lo = mcf.split_scalar(b2)
+        P, Gr = rows(pl), local(p.grad).reshape(rows(pl).shape)
+        lo = rows(st["master_lo"]) if "master_lo" in st else None
+        for r, c in chunks(P.shape[0], P.shape[1], G, chunk_numel(pl.device)):
+            g = Gr[r, c]
+            g = g if g.dtype == torch.float32 else g.float()
+            m = states.read(st, "exp_avg", fm, r, c, "e4m3", G)
+            m.lerp_(g, 1 - b1)
+            states.write(st, "exp_avg", fm, m, r, c, "e4m3", G)
+            if fv == "pair":
+                v_hi, v_lo = states.pair_views(st, "exp_avg_sq", r, c)
+                mcf.mul_(v_hi, v_lo, b2_hi, b2_lo)
+                mcf.grow_(v_hi, v_lo, torch.mul(g, g).mul_(1 - b2))
+                v = mcf.value(v_hi, v_lo)
+            else:
+                v = states.read(st, "exp_avg_sq", fv, r, c, vf8, G)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                states.write(st, "exp_avg_sq", fv, v, r, c, vf8, G)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            w = P[r, c]
+            if lo is not None:  # MCF master: one Grow with the decay and the Adam step together
+                d = torch.div(m, denom).mul_(-step_size)
+                if wd != 0:
+                    d.add_(mcf.value(w, lo[r, c]), alpha=-lr * wd)
+                mcf.grow_(w, lo[r, c], d)
+            else:
+                x = w if w.dtype == torch.float32 else w.float()
+                if wd != 0:
+                    x.mul_(1 - lr * wd)
+                x.addcdiv_(m, denom, value=-step_size)
+                if x is not w:
+                    w.copy_(x)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Exact state: compressed tensors as stored (DTensors with the parameter's placements
+        for DTensor parameters). Tensors are references, as in torch: copy before stepping on."""
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load an sdpq state_dict (exact when the formats match) or a standard torch AdamW /
+        Adam state_dict (exp_avg, exp_avg_sq, step): states are converted to this optimizer's
+        formats. Hyperparameters (lr, betas, eps, weight_decay, ...) come from the checkpoint;
+        the storage options (states, master, ...) stay this optimizer's."""
+        checkpoint.load_state_dict(self, state_dict)
+
+    def export_state_dict(self) -> dict:
+        """A torch.optim.AdamW state_dict (fp32 exp_avg / exp_avg_sq, DTensors where the
+        parameters are): load it into torch.optim.AdamW to leave sdpq. The MCF compensation
+        (< half a bf16 ulp of each weight) has no place there and is dropped."""
+        return checkpoint.export_state_dict(self)
+
+    def formats(self, p: Tensor, group: dict) -> tuple[str, str]:
+        """(m format, v format) this optimizer uses for parameter p."""
+        fmt = group["states"] if (group["states"] != "fp8" or fp8_groups_ok(p)) else "fp32"
+        return fmt, ("pair" if group["mcf_second_moment"] else fmt)
