@@ -1,0 +1,273 @@
+"""Bytes each rank puts on the intra- and inter-node links, counted at the process-group level.
+
+Every torch.distributed collective, whoever calls it (DeepSpeed's ``deepspeed.comm`` with its
+function references bound at start-up, sdpq's ``_exchange`` helpers, torch internals), ends in a
+method of the ``ProcessGroup`` it runs on (``group.all_gather_single(...)``,
+``group.all_to_all_single(...)``...). ``LinkBytes`` wraps those methods on the class while
+installed, so every transfer is seen exactly once, with the group's real member ranks.
+
+Accounting model: the one of ``sdpq/comm/stats.py``, so that the numbers compare like for like
+with sdpq's own statistics. A rank "sends" to every other member of the group the bytes that
+member needs from it:
+
+- all-gather of b bytes per rank: b to each other member;
+- reduce-scatter of an input of k chunks: chunk j to member j;
+- all-to-all: row j to member j (uneven splits included);
+- all-reduce (not in sdpq's model; reduce-scatter + all-gather): 2 b / k to each other member;
+- broadcast / scatter: the root sends; reduce / gather / send: to the root or destination.
+
+Each byte to member p is ``intra`` when ``p // ranks_per_node == rank // ranks_per_node`` (the
+simulated node boundary) and ``inter`` otherwise. Collectives are filed by kind: ``weights``
+(all-gathers), ``gradients`` (reduce-scatters and all-to-alls), ``other`` (all-reduce, broadcast,
+...). Counters are per process (this rank's sends); sum them over ranks for the job's total.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LinkBytes", "PATH_OF", "training_window", "sum_over_ranks"]
+
+# ProcessGroup method -> path. Names are torch 2.13's (all_gather_single & co. were _allgather_base).
+PATH_OF = {
+    "all_gather_single": "weights",
+    "_allgather_base": "weights",
+    "allgather": "weights",
+    "allgather_coalesced": "weights",
+    "all_gather_single_coalesced": "weights",
+    "allgather_into_tensor_coalesced": "weights",
+    "reduce_scatter_single": "gradients",
+    "_reduce_scatter_base": "gradients",
+    "reduce_scatter": "gradients",
+    "reduce_scatter_single_coalesced": "gradients",
+    "reduce_scatter_tensor_coalesced": "gradients",
+    "all_to_all_single": "gradients",
+    "alltoall_base": "gradients",
+    "alltoall": "gradients",
+    "allreduce": "other",
+    "allreduce_coalesced": "other",
+    "broadcast": "other",
+    "reduce": "other",
+    "gather": "other",
+    "scatter": "other",
+    "send": "other",
+}
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return sum(_nbytes(x) for x in t)
+
+
+def _flat(ts) -> list:
+    out = []
+    for t in ts:
+        out.extend(_flat(t) if isinstance(t, (list, tuple)) else [t])
+    return out
+
+
+def _sends(method: str, k: int, me: int, args: tuple) -> dict[int, int]:
+    """{group rank of the receiver: bytes} that group rank `me` sends for one call of `method`."""
+    others = [j for j in range(k) if j != me]
+    if method in ("all_gather_single", "_allgather_base"):  # (output, input, opts)
+        return dict.fromkeys(others, _nbytes(args[1]))
+    if method in ("allgather", "allgather_coalesced", "all_gather_single_coalesced",
+                  "allgather_into_tensor_coalesced"):  # (outputs, inputs, opts)
+        return dict.fromkeys(others, _nbytes(_flat(args[1])))
+    if method in ("reduce_scatter_single", "_reduce_scatter_base"):  # (output, input, opts)
+        return dict.fromkeys(others, _nbytes(args[1]) // k)
+    if method in ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"):
+        return dict.fromkeys(others, _nbytes(_flat(args[1])) // k)
+    if method == "reduce_scatter":  # (outputs, [input list per output], opts)
+        return {j: sum(_nbytes(lst[j]) for lst in args[1]) for j in others}
+    if method in ("all_to_all_single", "alltoall_base"):  # (output, input, out_splits, in_splits, opts)
+        inp, splits = args[1], list(args[3])
+        if not splits:
+            return dict.fromkeys(others, _nbytes(inp) // k)
+        row = _nbytes(inp) // max(1, inp.shape[0]) if inp.dim() else 0
+        return {j: splits[j] * row for j in others}
+    if method == "alltoall":  # (outputs, inputs, opts)
+        return {j: _nbytes(args[1][j]) for j in others}
+    if method in ("allreduce", "allreduce_coalesced"):  # (tensors, opts)
+        return dict.fromkeys(others, 2 * _nbytes(_flat(args[0])) // k)
+    if method == "broadcast":  # (tensors, opts)
+        return dict.fromkeys(others, _nbytes(_flat(args[0]))) if args[1].rootRank == me else {}
+    if method in ("reduce", "gather"):  # (tensors, opts) / (outputs, inputs, opts)
+        root = args[-1].rootRank
+        return {} if root == me else {root: _nbytes(_flat(args[0] if method == "reduce" else args[1]))}
+    if method == "scatter":  # (outputs, [per-rank inputs], opts)
+        if args[2].rootRank != me:
+            return {}
+        return {j: _nbytes(args[1][0][j]) for j in others}
+    if method == "send":  # (tensors, dst, tag)
+        return {int(args[1]): _nbytes(_flat(args[0]))}
+    raise KeyError(method)
+
+
+@dataclass
+class LinkBytes:
+    """Counts this rank's sends per (path, link) while installed and enabled.
+
+    ``with LinkBytes(ranks_per_node=2) as c: ...`` installs the wrappers on entry and removes
+    them on exit; ``c.enabled`` switches counting on and off (a window). ``snapshot()`` marks a
+    step boundary: ``steps`` keeps the bytes of every completed window slice.
+    """
+
+    ranks_per_node: int
+    enabled: bool = True
+    counts: dict = field(default_factory=dict)  # {(path, link): [bytes, calls]}
+    steps: list = field(default_factory=list)  # per snapshot: {(path, link): bytes since the last one}
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        self._lock = threading.Lock()
+        self._undo: list = []
+        self._last: dict = {}
+
+    # -------------------------------------------------------------- install / remove
+
+    def install(self) -> "LinkBytes":
+        from torch._C._distributed_c10d import ProcessGroup
+
+        if self._undo:
+            raise RuntimeError("LinkBytes is already installed")
+        for name in PATH_OF:
+            orig = ProcessGroup.__dict__.get(name)
+            if orig is None:  # a name this torch does not have
+                continue
+            setattr(ProcessGroup, name, self._wrap(name, orig))
+            self._undo.append((ProcessGroup, name, orig))
+        return self
+
+    def remove(self) -> None:
+        while self._undo:
+            cls, name, orig = self._undo.pop()
+            setattr(cls, name, orig)
+
+    def __enter__(self) -> "LinkBytes":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _wrap(self, name: str, orig):
+        counter = self
+
+        def wrapper(pg, *args, **kwargs):
+            if counter.enabled:
+                if kwargs:  # torch 2.13's distributed_c10d passes everything positionally
+                    raise RuntimeError(f"LinkBytes: ProcessGroup.{name} called with keyword arguments "
+                                       f"{sorted(kwargs)}; benchmarks/zeropp/bytes.py:_sends reads positions")
+                counter._record(name, pg, args)
+            return orig(pg, *args, **kwargs)
+
+        wrapper.__name__ = name
+        wrapper.__wrapped__ = orig
+        return wrapper
+
+    # -------------------------------------------------------------- accounting
+
+    def _record(self, name: str, pg, args: tuple) -> None:
+        ranks = dist.get_process_group_ranks(pg)  # global rank of every group rank
+        me_global = dist.get_rank()
+        me = ranks.index(me_global)
+        sends = _sends(name, len(ranks), me, args)
+        node = me_global // self.ranks_per_node
+        path = PATH_OF[name]
+        with self._lock:
+            links = set()
+            for j, b in sends.items():
+                link = "intra" if ranks[j] // self.ranks_per_node == node else "inter"
+                self.counts.setdefault((path, link), [0, 0])[0] += b
+                links.add(link)
+            for link in links:  # a collective reaching both kinds of peer is a call on each link
+                self.counts[(path, link)][1] += 1
+
+    def snapshot(self) -> None:
+        """Close a step: append the bytes counted since the previous snapshot."""
+        with self._lock:
+            now = {k: v[0] for k, v in self.counts.items()}
+            self.steps.append({k: now[k] - self._last.get(k, 0) for k in now})
+            self._last = now
+
+    def reset(self) -> None:
+        with self._lock:
+            self.counts.clear()
+            self.steps.clear()
+            self._last = {}
+
+    def as_dict(self) -> dict:
+        """{"total": {path: {link: {"bytes", "calls"}}}, "steps": [{path: {link: bytes}}]} (picklable)."""
+        total: dict = {}
+        for (path, link), (b, calls) in sorted(self.counts.items()):
+            total.setdefault(path, {})[link] = {"bytes": b, "calls": calls}
+        steps = []
+        for s in self.steps:
+            d: dict = {}
+            for (path, link), b in sorted(s.items()):
+                d.setdefault(path, {})[link] = b
+            steps.append(d)
+        return {"ranks_per_node": self.ranks_per_node, "total": total, "steps": steps}
+
+
+def sum_over_ranks(per_rank: list[dict]) -> dict:
+    """Add the ``as_dict()`` of every rank: the bytes the whole job put on each link."""
+    total: dict = {}
+    n_steps = max((len(r["steps"]) for r in per_rank), default=0)
+    steps: list = [{} for _ in range(n_steps)]
+    for r in per_rank:
+        for path, links in r["total"].items():
+            for link, c in links.items():
+                t = total.setdefault(path, {}).setdefault(link, {"bytes": 0, "calls": 0})
+                t["bytes"] += c["bytes"]
+                t["calls"] += c["calls"]
+        for i, s in enumerate(r["steps"]):
+            for path, links in s.items():
+                for link, b in links.items():
+                    steps[i].setdefault(path, {}).setdefault(link, 0)
+                    steps[i][path][link] += b
+    return {"total": total, "steps": steps}
+
+
+@contextlib.contextmanager
+def training_window(counter: LinkBytes, steps: int):
+    """Count only DeepSpeed training steps: the window opens at the first forward of an engine in
+    train mode and closes after the optimizer step that makes ``engine.global_steps == steps``;
+    every optimizer step (gradient-accumulation boundary) is a ``counter.snapshot()``. Engine
+    construction, evaluation and result gathering stay outside. Patches ``DeepSpeedEngine``'s
+    ``forward`` and ``step`` for the duration."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    fwd, stp = DeepSpeedEngine.forward, DeepSpeedEngine.step
+    state = {"open": False, "done": False}
+    counter.enabled = False
+
+    def forward(self, *args, **kwargs):
+        if self.module.training and not state["open"] and not state["done"]:
+            state["open"] = True
+            counter.enabled = True
+        return fwd(self, *args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        before = self.global_steps
+        out = stp(self, *args, **kwargs)
+        if state["open"] and self.global_steps != before:
+            counter.snapshot()
+            if self.global_steps >= steps:
+                state["open"], state["done"] = False, True
+                counter.enabled = False
+        return out
+
+    DeepSpeedEngine.forward, DeepSpeedEngine.step = forward, step
+    try:
+        yield state
+    finally:
+        DeepSpeedEngine.forward, DeepSpeedEngine.step = fwd, stp
+        counter.enabled = False

@@ -1,0 +1,488 @@
+"""The hooks that route DeepSpeed ZeRO-3's collectives through sdpq.comm (see deepspeed.py).
+
+What is patched, and why there (DeepSpeed 0.19.8):
+
+- weights: every ZeRO-3 parameter carries its own `all_gather_coalesced` / `all_gather` /
+  `partition` closures (set in `Init._convert_to_deepspeed_param`); the coordinator calls
+  `params[0].all_gather_coalesced(params)` for every forward/backward fetch, `_post_step` and
+  `checkpoint_event_epilogue` call `persistent[0].all_gather(persistent)`. Replacing these
+  per-parameter attributes touches only this engine's parameters, and is undone by restoring
+  them. `all_gather` takes the sdpq path for persistent parameters only: other callers
+  (GatheredParameters, 16-bit state-dict export) read weights and get DeepSpeed's exact gather.
+  One `WeightGather` per parameter (keyed by `ds_id`, created on its first gather) holds
+  that parameter's node-resident reference: ZeRO-3 gathers a parameter alone or in groups that
+  change with prefetching, so the parameter is the only stable "bucket".
+- weight versions: the reference of a parameter is marked dirty when its partition changes:
+  `optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)` (the one place the
+  optimizer step writes the partitions, before `_post_step` re-gathers the persistent ones),
+  `param.partition(has_been_updated=True)` (GatheredParameters(modifier_rank=...) and other
+  edits outside training: exact resync), and `engine.load_checkpoint` (saved references are
+  restored, or everything resyncs exactly). `DeepSpeedAdapter.mark_weights_dirty()` covers
+  edits DeepSpeed does not see (writing into `ds_tensor` directly).
+- gradients: `stage3.reduce_scatter_coalesced` is the module-level name `__avg_scatter_grads`
+  calls; it is replaced by a dispatcher that uses sdpq while this engine's
+  `__avg_scatter_grads` (wrapped per instance, to learn which parameters are in the bucket)
+  runs, and DeepSpeed's function otherwise. DeepSpeed's averaging is kept bit for bit: the
+  same pre-division by the group size in the gradient dtype (exact mode), or the SUM in fp32
+  divided once afterwards (quantized mode); its pre/post-scaling factors stay its own.
+- optimizer memory: with sdpq AdamW on bf16 master partitions (MCF), the master partition list
+  is pointed at the compute partitions (`_alias_bf16_master`), the aliasing ZeRO-3 intends but
+  misses (it compares a torch.device with a string), saving a redundant bf16 copy.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import GradReduceScatter, Topology, WeightGather
+from ..comm import stats as _stats
+from ..config import Config
+
+__all__ = ["DeepSpeedAdapter", "STATE_FILE"]
+
+STATE_FILE = "sdpq_rank{rank:05d}.pt"
+_FORMAT = 1
+
+# (adapter, bucket key) while an adapter's __avg_scatter_grads runs; read by the dispatcher.
+_ACTIVE_BUCKET: contextvars.ContextVar = contextvars.ContextVar("sdpq_ds_bucket", default=None)
+_RS_PATCH = {"count": 0, "orig": None}
+_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+
+
+def _status():
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return ZeroParamStatus
+
+
+def _stage3():
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    return stage3
+
+
+def _dispatch_reduce_scatter_coalesced(tensors, group=None):
+    active = _ACTIVE_BUCKET.get()
+    if active is None:
+        return _RS_PATCH["orig"](tensors, group)
+    adapter, key = active
+    return adapter._reduce_scatter_coalesced(key, tensors, group)
+
+
+class _Done:
+    """Handle of a gather that already finished; wait() makes the parameters AVAILABLE."""
+
+    def __init__(self, params):
+        self.params = params
+        self.complete = False
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        if self.complete:
+            return
+        status = _status()
+        for p in self.params:
+            assert p.ds_status == status.INFLIGHT, p.ds_summary()
+            p.ds_status = status.AVAILABLE
+        self.complete = True
+
+
+class DeepSpeedAdapter:
+    """sdpq's state for one ZeRO-3 engine (``engine.sdpq``): topology, the per-parameter weight
+    gathers, the per-bucket gradient reduce-scatters, and the installed hooks.
+
+    Built by ``sdpq.deepspeed.initialize`` on every rank (collective: it creates the node groups).
+    """
+
+    def __init__(self, engine, config: Config, ranks_per_node: int, recorder: _stats.CommStats | None = None):
+        self.engine = engine
+        self.config = config
+        self.optimizer = engine.optimizer
+        self.recorder = recorder if recorder is not None else _stats.default_recorder()
+        self.topology = Topology.build(ranks_per_node)
+        self.params: dict[int, Any] = {}
+        for p in engine.module.parameters():
+            self.params.setdefault(p.ds_id, p)
+        # Checkpoints name parameters by position: ds_id numbering continues across engines.
+        self._index = {i: n for n, i in enumerate(self.params)}
+        self._ds_id = list(self.params)
+        self.weights: dict[int, WeightGather] = {}
+        self.grads: dict[tuple, GradReduceScatter] = {}
+        self._undo: list = []
+        try:
+            self._install_weights()
+            self._install_grads()
+            self._install_engine()
+            self._alias_bf16_master()
+        except BaseException:
+            self.remove()
+            raise
+
+    # ------------------------------------------------------------------ public API
+
+    def mark_weights_dirty(self, params=None, resync: bool = True) -> None:
+        """The partitions of `params` (default: all) changed outside DeepSpeed's view: their next
+        gather refreshes the reference (exactly when `resync`). Call on every rank."""
+        for p in (self.params.values() if params is None else params):
+            wg = self.weights.get(p.ds_id)
+            if wg is not None:
+                wg.mark_dirty(resync=resync)
+
+    def summary(self) -> tuple[str, dict]:
+        """(table, dict) of the communication statistics this engine's collectives recorded."""
+        return self.recorder.summary()
+
+    def state_dict(self) -> dict:
+        """Per-rank sdpq state: weight references (+ dirty flags), gradient error feedback and
+        rounding streams. Saved next to DeepSpeed's files by engine.save_checkpoint."""
+        def gen_state(obj):
+            g = getattr(obj, "_gen", None)
+            return None if g is None else g.get_state()
+
+        weights = {}
+        for i, wg in self.weights.items():
+            weights[self._index[i]] = dict(wg.state_dict(), dirty=wg.dirty, calls=wg.calls, generator=gen_state(wg),
+                                           force_exact=bool(getattr(wg, "_force_exact", False)))
+        grads = {}
+        for (ids, numels), g in self.grads.items():
+            grads[(tuple(self._index[i] for i in ids), numels)] = dict(g.state_dict(), calls=g.calls,
+                                                                       generator=gen_state(g))
+        return {"format": _FORMAT, "layout": self.topology.layout, "rank": self.topology.rank,
+                "config": self.config.to_dict(), "num_params": len(self._ds_id), "weights": weights, "grads": grads}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; raises ValueError if it does not fit this run.
+        Note: the rounding streams and `_force_exact` are restored through WeightGather's and
+        GradReduceScatter's private attributes (their state_dicts do not carry them yet)."""
+        problem = self._incompatible(state)
+        if problem:
+            raise ValueError(f"sdpq state does not fit this run: {problem}")
+        restored = set()
+        for n, s in state["weights"].items():
+            wg = self._weight_gather(self.params[self._ds_id[n]])
+            wg.load_state_dict(s)
+            wg.dirty = bool(s["dirty"])
+            wg._force_exact = bool(s.get("force_exact", False))
+            wg.calls = int(s.get("calls", 0))
+            wg._gen = _generator(s.get("generator"))
+            restored.add(self._ds_id[n])
+        # References this process built that the checkpoint does not know: resync them.
+        self.mark_weights_dirty([self.params[i] for i in self.weights if i not in restored], resync=True)
+        keys = set()
+        for (idx, numels), s in state["grads"].items():
+            key = (tuple(self._ds_id[n] for n in idx), tuple(numels))
+            grs = self._grad_rs(key)
+            grs.load_state_dict(s)
+            grs.calls = int(s.get("calls", 0))
+            grs._gen = _generator(s.get("generator"))
+            keys.add(key)
+        for key, grs in self.grads.items():
+            if key not in keys:
+                grs.reset_error_feedback()
+
+    def remove(self) -> None:
+        """Undo every hook (DeepSpeed behaves as if sdpq was never installed). Idempotent."""
+        while self._undo:
+            self._undo.pop()()
+        if getattr(self.engine, "sdpq", None) is self:
+            with_suppress(lambda: delattr(self.engine, "sdpq"))
+
+    def _alias_bf16_master(self) -> None:
+        """With bf16 master partitions (sdpq's MCF: the master is the bf16 high part), ZeRO-3 means
+        to use the compute partition itself as the master, but its check compares a torch.device
+        with a device name string (always unequal), so it keeps a second bf16 copy, refreshed from
+        the first after every step: 2 bytes per parameter for nothing. Alias them before the
+        first step (same values at every step, so bitwise the same training)."""
+        from ..optim import AdamW
+
+        z = self.optimizer
+        if (not isinstance(getattr(z, "optimizer", None), AdamW) or z.optimizer.state or z.offload_optimizer
+                or getattr(z, "swap_optimizer", False) or getattr(z, "params_in_nvme_and_cpu", False)):
+            return
+        for i, (lp, hp) in enumerate(zip(z.fp16_partitioned_groups_flat, z.fp32_partitioned_groups_flat)):
+            if lp is None or lp is hp or lp.dtype != hp.dtype or lp.device != hp.device or lp.shape != hp.shape:
+                continue
+            lp.ds_id = hp.ds_id
+            lp.requires_grad = True
+            z.fp32_partitioned_groups_flat[i] = lp
+
+    # ------------------------------------------------------------------ weights
+
+    def _weight_gather(self, p) -> WeightGather:
+        wg = self.weights.get(p.ds_id)
+        if wg is None:
+            wcfg = self.config.weights
+            # Note: the wire pads codes to whole groups; a small parameter's shard (a bias, a norm)
+            # would send a full 2048-code group. Cap the group at the shard size (power of two).
+            cap = max(32, 1 << max(0, p.ds_tensor.ds_numel - 1).bit_length())
+            if cap < wcfg.group_size:
+                wcfg = dataclasses.replace(wcfg, group_size=cap)
+            wg = WeightGather(p.ds_numel, self.topology, wcfg, dtype=p.ds_tensor.dtype,
+                              device=p.ds_tensor.device, stats=self.config.stats, recorder=self.recorder)
+            if wg.shard_numel != p.ds_tensor.ds_numel:
+                raise RuntimeError(f"sdpq: parameter ds_id={p.ds_id} has ZeRO partitions of {p.ds_tensor.ds_numel} "
+                                   f"elements, sdpq expected {wg.shard_numel}")
+            self.weights[p.ds_id] = wg
+        return wg
+
+    def _gather_into(self, p) -> None:
+        wg = self._weight_gather(p)
+        shard = p.ds_tensor.data
+        valid = max(0, min(wg.shard_numel, p.ds_numel - self.topology.rank * wg.shard_numel))
+        out = torch.empty(p.ds_numel, dtype=shard.dtype, device=shard.device)
+        # Note: only the valid part of the last partitions: padding must not enter quantization groups.
+        wg.gather(shard.narrow(0, 0, valid), out=out)
+        p.data = out.view(p.ds_shape)
+
+    def _all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False):
+        status = _status()
+        params = list(params)
+        if quantize:
+            raise RuntimeError("sdpq: a quantized ZeRO++ gather was requested while sdpq owns the weight path")
+        for p in params:
+            if p.ds_status != status.NOT_AVAILABLE:
+                raise RuntimeError(p.ds_summary())
+            p.ds_status = status.INFLIGHT
+        params.sort(key=lambda p: p.ds_id)
+        if safe_mode:
+            from deepspeed.runtime.utils import assert_ints_same_as_other_ranks
+
+            assert_ints_same_as_other_ranks([p.ds_id for p in params])
+        for p in params:
+            self._gather_into(p)
+        return _Done(params)
+
+    def _all_gather(self, orig, owner, param_list=None, async_op=False, hierarchy=0):
+        # Persistent parameters (gathered after every step and at checkpoint epilogues) take the
+        # sdpq path; others are gathered here only by GatheredParameters / state-dict export,
+        # which must see the exact weights: DeepSpeed's own gather.
+        status = _status()
+        plist = [owner] if param_list is None else list(param_list)
+        ours = [p for p in plist if p.ds_persist and p.ds_status == status.NOT_AVAILABLE and p.ds_id in self.params]
+        mine = {id(p) for p in ours}
+        rest = [p for p in plist if id(p) not in mine]
+        ret = orig(param_list=rest, async_op=async_op, hierarchy=hierarchy) if rest else ([] if async_op else None)
+        for p in sorted(ours, key=lambda p: p.ds_id):
+            self._gather_into(p)
+            p.ds_status = status.AVAILABLE
+        return ret
+
+    def _partition(self, orig, owner, *args, **kwargs):
+        ret = orig(*args, **kwargs)
+        names = ("param_list", "hierarchy", "has_been_updated", "free_data")
+        bound = dict(zip(names, args), **kwargs)
+        if bound.get("has_been_updated"):
+            plist = bound.get("param_list") or [owner]
+            self.mark_weights_dirty(plist, resync=True)
+        return ret
+
+    def _install_weights(self) -> None:
+        for p in self.params.values():
+            # sdpq's node groups span the world: ZeRO must shard every parameter over all ranks
+            # (no model parallelism, MiCS or hpZ sub-groups). Raises TopologyError otherwise.
+            self.topology.check_group(getattr(p, "ds_process_group", None))
+        self.topology.check_group(getattr(self.optimizer, "dp_process_group", None))
+        for p in self.params.values():
+            saved = {n: p.__dict__[n] for n in ("all_gather_coalesced", "all_gather", "partition")}
+            p.all_gather_coalesced = self._all_gather_coalesced
+            p.all_gather = functools.partial(self._all_gather, saved["all_gather"], p)
+            p.partition = functools.partial(self._partition, saved["partition"], p)
+
+            def undo(p=p, saved=saved):
+                for n, f in saved.items():
+                    setattr(p, n, f)
+            self._undo.append(undo)
+
+        opt = self.optimizer
+        orig_reassign = opt._reassign_or_swap_out_partitioned_parameters
+
+        def reassign(sub_group_id, *a, **kw):
+            ret = orig_reassign(sub_group_id, *a, **kw)
+            # The step just wrote these partitions; _post_step re-gathers the persistent ones next.
+            self.mark_weights_dirty(opt.fp16_groups[sub_group_id], resync=False)
+            return ret
+
+        opt._reassign_or_swap_out_partitioned_parameters = reassign
+        self._undo.append(lambda: with_suppress(lambda: delattr(opt, "_reassign_or_swap_out_partitioned_parameters")))
+
+    # ------------------------------------------------------------------ gradients
+
+    def _grad_rs(self, key: tuple) -> GradReduceScatter:
+        grs = self.grads.get(key)
+        if grs is None:
+            N = self.topology.world_size
+            numel = N * sum(-(-n // N) for n in key[1])
+            grs = GradReduceScatter(numel, self.topology, self.config.gradients, stats=self.config.stats,
+                                    recorder=self.recorder)
+            self.grads[key] = grs
+        return grs
+
+    def _reduce_scatter_coalesced(self, key, tensors, group):
+        """DeepSpeed's reduce_scatter_coalesced (same layout, same averaging) on sdpq's collective."""
+        self.topology.check_group(group)
+        N, rank = self.topology.world_size, self.topology.rank
+        numels = tuple(t.numel() for t in tensors)
+        grs = self._grad_rs((key, numels))
+        chunks = [-(-n // N) for n in numels]
+        total = sum(chunks)
+        dtype, device = tensors[0].dtype, tensors[0].device
+        # Interleave: row r holds chunk r of every tensor, zero-padded (DeepSpeed pads with garbage;
+        # a quantization group must not see it).
+        flat = torch.zeros((N, total), dtype=dtype, device=device)
+        off = 0
+        for t, c in zip(tensors, chunks):
+            src = t.reshape(-1)
+            padded = torch.zeros(N * c, dtype=dtype, device=device)
+            padded[: src.numel()] = src
+            flat[:, off:off + c] = padded.view(N, c)
+            off += c
+        flat = flat.view(-1)
+        if self.config.gradients.mode == "exact":
+            flat.div_(N)  # Note: DeepSpeed's pre-division, in the gradient dtype: bitwise its average
+            out = grs(flat)
+        else:
+            out32 = torch.empty(total, dtype=torch.float32, device=device)
+            grs(flat, out=out32)
+            out = out32.div_(N).to(dtype)  # sum in fp32, divide once
+        res, off = [], 0
+        for n, c in zip(numels, chunks):
+            res.append(out.narrow(0, off, max(0, min(c, n - rank * c))))
+            off += c
+        return res
+
+    def _install_grads(self) -> None:
+        stage3 = _stage3()
+        if _RS_PATCH["count"] == 0:
+            _RS_PATCH["orig"] = stage3.reduce_scatter_coalesced
+            stage3.reduce_scatter_coalesced = _dispatch_reduce_scatter_coalesced
+        _RS_PATCH["count"] += 1
+
+        def unpatch():
+            _RS_PATCH["count"] -= 1
+            if _RS_PATCH["count"] == 0:
+                stage3.reduce_scatter_coalesced = _RS_PATCH["orig"]
+                _RS_PATCH["orig"] = None
+        self._undo.append(unpatch)
+
+        opt = self.optimizer
+        orig = getattr(opt, _AVG_SCATTER)
+
+        def avg_scatter_grads(params_to_reduce, communication_data_type, *a, **kw):
+            key = tuple(p.ds_id for p in params_to_reduce)
+            token = _ACTIVE_BUCKET.set((self, key))
+            try:
+                return orig(params_to_reduce, communication_data_type, *a, **kw)
+            finally:
+                _ACTIVE_BUCKET.reset(token)
+
+        setattr(opt, _AVG_SCATTER, avg_scatter_grads)
+        self._undo.append(lambda: with_suppress(lambda: delattr(opt, _AVG_SCATTER)))
+
+    # ------------------------------------------------------------------ engine: checkpoints, teardown
+
+    def _state_path(self, ckpt_dir: str) -> str:
+        return os.path.join(ckpt_dir, STATE_FILE.format(rank=self.topology.rank))
+
+    def _install_engine(self) -> None:
+        eng = self.engine
+        orig_save, orig_load = eng.save_checkpoint, eng.load_checkpoint
+        orig_destroy = getattr(eng, "destroy", None)
+
+        def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+            if tag is None:
+                tag = f"global_step{eng.global_steps}"  # DeepSpeed's default tag
+            path = os.path.join(save_dir, str(tag))
+            os.makedirs(path, exist_ok=True)
+            # Written before DeepSpeed's files, so "latest" never points at a tag without it.
+            torch.save(self.state_dict(), self._state_path(path))
+            return orig_save(save_dir, tag, *args, **kwargs)
+
+        def load_checkpoint(load_dir, *args, **kwargs):
+            result = orig_load(load_dir, *args, **kwargs)
+            if result is not None and result[0] is not None:
+                self._after_load(os.path.dirname(result[0]))
+            return result
+
+        def destroy(*args, **kwargs):
+            self.remove()
+            return orig_destroy(*args, **kwargs)
+
+        eng.save_checkpoint, eng.load_checkpoint = save_checkpoint, load_checkpoint
+        if orig_destroy is not None:
+            eng.destroy = destroy
+
+        def undo():
+            for n in ("save_checkpoint", "load_checkpoint", "destroy"):
+                with_suppress(lambda n=n: eng.__dict__.pop(n))
+        self._undo.append(undo)
+        eng.sdpq = self
+
+    def _after_load(self, ckpt_dir: str) -> None:
+        """The partitions were replaced: restore the references saved with them (bitwise resume)
+        or, without a usable saved state, resync every reference exactly. Then re-gather the
+        parameters DeepSpeed keeps gathered so they match the restored references."""
+        path = self._state_path(ckpt_dir)
+        state, problem = None, None
+        if os.path.isfile(path):
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            problem = self._incompatible(state)
+        else:
+            problem = f"no {os.path.basename(path)} in {ckpt_dir} (not saved by sdpq)"
+        # Every rank must take the same decision (each reads its own file).
+        ok = torch.tensor([0 if problem else 1], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item():
+            self.load_state_dict(state)
+        else:
+            if self.topology.rank == 0:
+                warnings.warn(f"sdpq: checkpoint {ckpt_dir}: {problem or 'another rank cannot use its sdpq state'}; "
+                              "the weight references resync exactly", RuntimeWarning, stacklevel=4)
+            for grs in self.grads.values():
+                grs.reset_error_feedback()
+            self.mark_weights_dirty(resync=True)
+        status = _status()
+        for p in sorted(self.params.values(), key=lambda p: p.ds_id):
+            if p.ds_status == status.AVAILABLE:
+                self._gather_into(p)
+
+    def _incompatible(self, state: dict) -> str | None:
+        if state.get("format") != _FORMAT:
+            return f"state format {state.get('format')!r}, expected {_FORMAT}"
+        if state.get("layout") != self.topology.layout or state.get("rank") != self.topology.rank:
+            return f"saved on rank {state.get('rank')} of layout {state.get('layout')}, loading on rank " \
+                   f"{self.topology.rank} of {self.topology.layout}"
+        saved_w, mine_w = state.get("config", {}).get("weights"), self.config.weights.to_dict()
+        for k in ("mode", "bits", "group_size"):
+            if (saved_w or {}).get(k) != mine_w[k]:
+                return f"sdpq.weights.{k} was {(saved_w or {}).get(k)!r}, now {mine_w[k]!r}"
+        if state.get("num_params") != len(self._ds_id):
+            return f"saved for {state.get('num_params')} parameters, this model has {len(self._ds_id)}"
+        for n, s in state.get("weights", {}).items():
+            if s.get("numel") != self.params[self._ds_id[n]].ds_numel:
+                return f"parameter #{n} has {self.params[self._ds_id[n]].ds_numel} elements, saved {s.get('numel')}"
+        for (idx, numels), _ in state.get("grads", {}).items():
+            if tuple(self.params[self._ds_id[n]].ds_numel for n in idx) != tuple(numels):
+                return "a gradient bucket does not match this model"
+        return None
+
+
+def _generator(state):
+    if state is None:
+        return None
+    g = torch.Generator()
+    g.set_state(state)
+    return g
+
+
+def with_suppress(fn) -> None:
+    try:
+        fn()
+    except (AttributeError, KeyError):
+        pass

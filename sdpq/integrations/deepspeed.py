@@ -1,0 +1,281 @@
+"""DeepSpeed ZeRO-3 integration (exposed as ``sdpq.deepspeed``).
+
+``sdpq.deepspeed.initialize(...)`` takes the arguments of ``deepspeed.initialize`` and returns
+what it returns. It reads the top-level ``"sdpq"`` block of the DeepSpeed config (strictly, via
+``sdpq.Config.from_deepspeed``); a missing or empty block is plain DeepSpeed. With a block:
+
+- weights: ZeRO-3's parameter all-gathers go through ``sdpq.comm.WeightGather`` (``diff``:
+  4-bit differences against a node-resident reference; ``direct`` int8; ``exact``);
+- gradients: ZeRO-3's gradient reduce-scatter goes through ``sdpq.comm.GradReduceScatter``
+  (two-level 8-bit intra-node / 4-bit inter-node, or ``exact``), DeepSpeed's averaging kept;
+- optimizer (``"optimizer": {"enabled": true}``, the default): ``sdpq.optim.AdamW`` built from
+  the DeepSpeed ``"optimizer"`` block's hyperparameters runs on ZeRO-3's flat partitions;
+  ``master: "mcf"`` turns on DeepSpeed's ``bf16_master_weights_and_grads`` and
+  ``bf16_optimizer_states`` (the flat partition is then the bf16 high part of the MCF pair).
+
+A section left out of the block takes its defaults (the full method); switch a path off with
+``"weights": {"mode": "exact"}``, ``"gradients": {"mode": "exact"}``,
+``"optimizer": {"enabled": false}``. Only ZeRO stage 3 is supported: a block with stage 0-2
+is an error (``IncompatibleConfigError``). ``engine.sdpq`` is the installed
+``DeepSpeedAdapter`` (statistics, ``mark_weights_dirty``, ``remove``); ``save_checkpoint`` /
+``load_checkpoint`` also save / restore sdpq's per-rank state (``sdpq_rank*.pt`` in the tag
+directory), so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import inspect
+import os
+import warnings
+from typing import Any, Mapping
+
+from ..config import Config, ConfigError
+from ._ds_adapter import STATE_FILE, DeepSpeedAdapter
+
+__all__ = [
+    "initialize",
+    "init_distributed",
+    "get_adapter",
+    "check_deepspeed_version",
+    "DeepSpeedAdapter",
+    "DeepSpeedVersionError",
+    "IncompatibleConfigError",
+    "ConfigError",
+    "TESTED_DEEPSPEED",
+    "STATE_FILE",
+]
+
+TESTED_DEEPSPEED = ("0.19.8", "0.20")  # lowest tested version, first version outside the range
+ALLOW_UNTESTED_ENV = "SDPQ_ALLOW_UNTESTED_DEEPSPEED"
+KEEP_SHM_ENV = "SDPQ_DEEPSPEED_SHM_OP"
+
+
+class DeepSpeedVersionError(RuntimeError):
+    """The installed DeepSpeed is outside the range sdpq's hooks are tested with."""
+
+
+class IncompatibleConfigError(ValueError):
+    """The "sdpq" block cannot work with the rest of the DeepSpeed config (stage, ZeRO++ flags...)."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return tuple(int(x) for x in version.split("+")[0].split(".")[:3] if x.isdigit())
+
+
+def check_deepspeed_version(version: str | None = None) -> str:
+    """Raise DeepSpeedVersionError unless `version` (default: the installed one) is in
+    TESTED_DEEPSPEED; with SDPQ_ALLOW_UNTESTED_DEEPSPEED=1 warn instead. Returns the version."""
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    lo, hi = TESTED_DEEPSPEED
+    if not (_release(lo) <= _release(version) < _release(hi)):
+        msg = (f"sdpq.deepspeed is tested with DeepSpeed >={lo},<{hi}, but DeepSpeed {version} is installed. "
+               f"sdpq replaces ZeRO-3 internals (parameter gathers, stage3.reduce_scatter_coalesced) that change "
+               f"between releases. Install a tested version (pip install 'deepspeed>={lo},<{hi}') or set "
+               f"{ALLOW_UNTESTED_ENV}=1 to try this one anyway.")
+        if os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0"):
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        else:
+            raise DeepSpeedVersionError(msg)
+    return version
+
+
+def get_adapter(engine) -> DeepSpeedAdapter | None:
+    """The sdpq adapter installed on a DeepSpeed engine, or None (plain DeepSpeed)."""
+    return engine.__dict__.get("sdpq")
+
+
+@contextlib.contextmanager
+def _no_shm_op_build():
+    """The first DeepSpeed communication backend JIT-builds a shared-memory all-reduce op (~40 s
+    on CPU) that only inference all-reduce uses; ZeRO training never needs it. Skip the build
+    (unless SDPQ_DEEPSPEED_SHM_OP=1)."""
+    mod = importlib.import_module("deepspeed.comm.torch")  # Note: `deepspeed.comm.torch` is PyTorch
+    if os.environ.get(KEEP_SHM_ENV, "") not in ("", "0") or not hasattr(mod, "build_shm_op"):
+        yield
+        return
+    orig = mod.build_shm_op
+    mod.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        mod.build_shm_op = orig
+
+
+def init_distributed(*args, **kwargs):
+    """``deepspeed.init_distributed`` (same arguments; MPI discovery for mpirun included) without
+    the shared-memory op JIT build that its first call would otherwise do."""
+    import deepspeed
+
+    with _no_shm_op_build():
+        return deepspeed.init_distributed(*args, **kwargs)
+
+
+def _load_config(a: dict) -> tuple[dict | None, str | None]:
+    """The DeepSpeed config as deepspeed.initialize would find it: (dict, where it came from)."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    args = a.get("args")
+    for where, value in (("config", a.get("config")), ("config_params", a.get("config_params")),
+                         ("args.deepspeed_config", getattr(args, "deepspeed_config", None))):
+        if value is not None:
+            return (dict(value) if isinstance(value, Mapping) else load_ds_config(value)), where
+    return None, None
+
+
+def _ranks_per_node(cfg: Config) -> int:
+    """topology.ranks_per_node, with "auto" read from any launcher's environment: torchrun
+    (LOCAL_WORLD_SIZE), the deepspeed launcher (LOCAL_SIZE), Open MPI / MPICH / Slurm."""
+    rpn = cfg.topology.ranks_per_node
+    if rpn != "auto":
+        return rpn
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    raise ConfigError("sdpq.topology.ranks_per_node: 'auto' found no launcher variable (LOCAL_WORLD_SIZE, "
+                      "LOCAL_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE); "
+                      "give the number of ranks per node as an integer")
+
+
+_OPT_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "fused", "foreach", "amsgrad"}
+
+
+def _sdpq_optimizer(ds: dict, cfg: Config, a: dict):
+    """Check the DeepSpeed "optimizer" block and return a callable that builds sdpq.optim.AdamW."""
+    oc = cfg.optimizer
+    if a.get("optimizer") is not None:
+        raise IncompatibleConfigError(
+            "sdpq.optimizer.enabled is true (the default when an \"sdpq\" block is present), but an optimizer "
+            "was passed to initialize(): drop it (sdpq builds AdamW from the \"optimizer\" block) or set "
+            "\"sdpq\": {\"optimizer\": {\"enabled\": false}} to keep yours")
+    block = ds.get("optimizer")
+    if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+        raise IncompatibleConfigError(
+            "sdpq.optimizer.enabled needs the DeepSpeed \"optimizer\" block ({\"type\": \"AdamW\", \"params\": "
+            "{...}}) for its hyperparameters, or set \"sdpq\": {\"optimizer\": {\"enabled\": false}}")
+    kind = block["type"].lower()
+    params = dict(block.get("params", {}))
+    unknown = sorted(set(params) - _OPT_KEYS)
+    if kind not in ("adamw", "adam") or unknown or params.get("amsgrad"):
+        got = (f"unsupported params {', '.join(unknown)}" if unknown else "amsgrad" if params.get("amsgrad")
+               else f"type {block['type']!r}")
+        raise IncompatibleConfigError(
+            f"sdpq.optimizer.enabled replaces the DeepSpeed optimizer with sdpq AdamW, which takes type Adam/AdamW "
+            f"with params lr, betas, eps, weight_decay; got {got}. Set \"sdpq\": {{\"optimizer\": "
+            f"{{\"enabled\": false}}}} to keep DeepSpeed's optimizer")
+    if kind == "adam" and not params.get("adam_w_mode", True):
+        raise IncompatibleConfigError("sdpq AdamW decays weights decoupled (adam_w_mode true); "
+                                      "\"adam_w_mode\": false (L2 Adam) is not supported")
+    hp = dict(lr=float(params.get("lr", 1e-3)), betas=tuple(params.get("betas", (0.9, 0.999))),
+              eps=float(params.get("eps", 1e-8)),
+              weight_decay=float(params.get("weight_decay", 0.01 if kind == "adamw" else 0.0)))
+    if oc.master == "mcf":
+        bf16 = ds.get("bf16") or ds.get("bfloat16") or {}
+        if not bf16.get("enabled", False):
+            raise IncompatibleConfigError(
+                "sdpq.optimizer.master: 'mcf' keeps bf16 weights plus a bf16 compensation and needs "
+                "\"bf16\": {\"enabled\": true}; set \"master\": \"native\" for fp32/fp16 training")
+        for flag in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if bf16.get(flag) is False:
+                raise IncompatibleConfigError(
+                    f"sdpq.optimizer.master: 'mcf' replaces the fp32 master copy, which needs bf16.{flag} "
+                    "true (it is set automatically when absent); remove the false or use master 'native'")
+
+    def build(model_parameters):
+        import torch.distributed as dist
+
+        from ..optim import AdamW
+
+        # sync_group: a non-finite gradient skips the step on every rank (ZeRO-3 partitions are
+        # plain tensors; DeepSpeed's own norm check normally catches it first).
+        return AdamW(model_parameters, **hp, states=oc.states, master=oc.master,
+                     mcf_second_moment=oc.mcf_second_moment, group_size=oc.group_size, v_format=oc.v_format,
+                     sync_group=dist.group.WORLD)
+
+    return build
+
+
+def _prepare(ds: dict, cfg: Config, a: dict) -> dict:
+    """Check the DeepSpeed config against the block; return the config DeepSpeed gets."""
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
+    if stage != 3:
+        raise IncompatibleConfigError(
+            f"the \"sdpq\" block works with ZeRO stage 3 (it replaces ZeRO-3's parameter gathers and gradient "
+            f"reduce-scatter); this config has zero_optimization.stage {stage}. Set \"stage\": 3, or remove "
+            f"the \"sdpq\" block (or leave it empty) to train with plain DeepSpeed")
+    clash = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+             if zero.get(k)]
+    clash += [k for k, off in (("zero_hpz_partition_size", 1), ("mics_shard_size", 0))
+              if isinstance(zero.get(k), int) and zero[k] > off]
+    if clash:
+        raise IncompatibleConfigError(
+            f"zero_optimization.{clash[0]} (DeepSpeed ZeRO++/MiCS) replaces the same collectives as the \"sdpq\" "
+            "block; use one or the other (see ds_configs/zero3_zeropp.json for ZeRO++ alone)")
+    if zero.get("reduce_scatter") is False:
+        raise IncompatibleConfigError("sdpq's gradient path is ZeRO-3's reduce-scatter: remove "
+                                      "zero_optimization.reduce_scatter false")
+    offload = zero.get("offload_param") or {}
+    if isinstance(offload, Mapping) and offload.get("device") == "nvme":
+        raise IncompatibleConfigError("zero_optimization.offload_param to nvme is not supported with the "
+                                      "\"sdpq\" block (cpu offload is)")
+    out = copy.deepcopy(ds)
+    out.pop("sdpq", None)
+    if cfg.optimizer.enabled:
+        a["optimizer"] = _sdpq_optimizer(ds, cfg, a)
+        out.pop("optimizer", None)
+        out["zero_allow_untested_optimizer"] = True
+        if cfg.optimizer.master == "mcf":
+            key = "bf16" if "bf16" in out else "bfloat16"
+            out[key] = dict(out.get(key) or {}, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    return out
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with the config's ``"sdpq"`` block applied (same arguments, same
+    return value: ``(engine, optimizer, training_dataloader, lr_scheduler)``)."""
+    import deepspeed
+
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    a = dict(bound.arguments)
+    ds, where = _load_config(a)
+    block = None if ds is None else ds.get("sdpq")
+    with _no_shm_op_build():
+        if block is None or (isinstance(block, Mapping) and len(block) == 0):
+            if block is not None:  # an empty block: plain DeepSpeed, without the unknown key
+                a["config"] = {k: v for k, v in ds.items() if k != "sdpq"}
+                _drop_other_sources(a, where)
+            return deepspeed.initialize(**a)
+        cfg = Config.from_deepspeed(ds)  # ConfigError names the key path of a typo
+        check_deepspeed_version()
+        a["config"] = _prepare(ds, cfg, a)
+        _drop_other_sources(a, where)
+        result = deepspeed.initialize(**a)
+    engine = result[0]
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        raise IncompatibleConfigError(f"the \"sdpq\" block needs DeepSpeed's ZeRO-3 optimizer; the engine has "
+                                      f"{type(engine.optimizer).__name__}")
+    DeepSpeedAdapter(engine, cfg, _ranks_per_node(cfg))
+    return result
+
+
+def _drop_other_sources(a: dict, where: str | None) -> None:
+    a.pop("config_params", None)
+    if where == "args.deepspeed_config":
+        args = copy.copy(a["args"])
+        args.deepspeed_config = None
+        a["args"] = args

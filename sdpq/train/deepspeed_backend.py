@@ -1,0 +1,213 @@
+"""DeepSpeed ZeRO-3 training backend: `train(spec) -> RunResult` on an initialised process group.
+
+Builds the GPT (same init on every rank), a DeepSpeed config from the spec (ZeRO-3, AdamW from
+the "optimizer" block, gradient clipping and accumulation, bf16 if asked, and `spec.sdpq` as
+the "sdpq" block) and trains it with `sdpq.deepspeed.initialize` (plain DeepSpeed when
+`spec.sdpq` is None). Checkpoints are DeepSpeed's own `engine.save_checkpoint` /
+`load_checkpoint` (which carry sdpq's per-rank state). Batches are a pure function of
+(seed, micro-step, rank), so a resumed run sees exactly the tokens of the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import stats as comm_stats
+from .data import TokenData
+from .model import GPT
+from .run import RunResult, RunSpec, lr_at
+
+__all__ = ["train", "ds_config", "optimizer_bytes_per_param", "CKPT_TAG"]
+
+CKPT_TAG = "step{step}"
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
+    """The DeepSpeed config of a run (`overrides` merged in, key by key). `torch_adam` keeps
+    DeepSpeed off its JIT-built fused Adam on CPU; the "sdpq" block gets
+    topology.ranks_per_node from the spec when it has none."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "gradient_clipping": spec.grad_clip,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas), "eps": 1e-8,
+                                                  "weight_decay": spec.weight_decay, "torch_adam": True}},
+        "bf16": {"enabled": bool(spec.bf16)},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if spec.sdpq is not None:
+        block = {k: dict(v) if isinstance(v, dict) else v for k, v in spec.sdpq.items()}
+        if spec.ranks_per_node != "auto" and "ranks_per_node" not in block.get("topology", {}):
+            block["topology"] = dict(block.get("topology", {}), ranks_per_node=spec.ranks_per_node)
+        cfg["sdpq"] = block
+    return _merge(cfg, overrides or {})
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().reshape(-1)
+    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def optimizer_bytes_per_param(engine) -> float:
+    """Bytes per parameter of what ZeRO-3 keeps per partition element, summed over ranks:
+    compute weights (ds_tensor partitions), master partition, optimizer states and metadata
+    (gradients excluded; tensors sharing memory counted once)."""
+    from ..optim.memory import memory_report
+
+    zopt = engine.optimizer
+
+    class _View:  # ZeRO-3 swaps its flat partitions into param_groups only inside step()
+        param_groups = [{"params": list(zopt.fp32_partitioned_groups_flat)}]
+        state = zopt.optimizer.state
+
+    rep = memory_report(_View(), extra_weights=[t for t in zopt.fp16_partitioned_groups_flat if t is not None])
+    nbytes = sum(rep[k] for k in ("weights", "master", "states", "metadata"))
+    t = torch.tensor([float(nbytes), float(rep["numel"])], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def _sum_stats(per_rank: list[dict]) -> dict:
+    total: dict = {}
+    for d in per_rank:
+        for path, links in d.items():
+            for link, c in links.items():
+                t = total.setdefault(path, {}).setdefault(link, {"bytes": 0, "elements": 0, "calls": 0,
+                                                                 "baseline_bytes": 0})
+                for k in ("bytes", "elements", "calls"):
+                    t[k] += c[k]
+                if c["elements"] and not math.isnan(c["baseline_bits_per_element"]):
+                    t["baseline_bytes"] += round(c["baseline_bits_per_element"] * c["elements"] / 8)
+    for links in total.values():
+        for t in links.values():
+            t["bits_per_element"] = 8 * t["bytes"] / t["elements"] if t["elements"] else float("nan")
+    return total
+
+
+def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
+          ds_overrides: dict | None = None) -> RunResult:
+    """Run `spec` with DeepSpeed ZeRO-3 on the initialised default process group (every rank
+    calls it). checks: record in `extra` digests of every parameter partition and weight
+    reference at the end (bitwise comparisons in tests). ds_overrides: merged into the
+    DeepSpeed config (e.g. {"zero_optimization": {"stage3_param_persistence_threshold": 0}})."""
+    from ..integrations import deepspeed as sdpq_ds
+
+    if spec.backend != "deepspeed":
+        raise ValueError(f"deepspeed_backend.train: spec.backend is {spec.backend!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("deepspeed_backend.train needs an initialised torch.distributed process group")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = data or (TokenData.from_path(spec.data) if spec.data else TokenData.stdlib())
+    torch.manual_seed(spec.seed)
+    model = GPT(spec.model)
+    n_params = model.num_params()
+    engine, _, _, _ = sdpq_ds.initialize(model=model, model_parameters=model.parameters(),
+                                         config=ds_config(spec, ds_overrides))
+    adapter = sdpq_ds.get_adapter(engine)
+    start = 0
+    if spec.resume:
+        if not spec.checkpoint_dir:
+            raise ValueError("RunSpec.resume needs checkpoint_dir")
+        path, client = engine.load_checkpoint(spec.checkpoint_dir)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {spec.checkpoint_dir}")
+        start = int(client["step"])
+    comm_stats.reset()
+
+    losses = [float("nan")] * spec.steps
+    local = torch.zeros(spec.steps, dtype=torch.float64)
+    times = []
+    L = spec.model.seq_len
+    for step in range(start, spec.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(spec, step)
+        for g in engine.optimizer.param_groups:
+            g["lr"] = lr
+        for micro in range(spec.grad_accum):
+            x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, L, seed=spec.seed)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
+            local[step] += float(loss.detach()) / spec.grad_accum
+        times.append(time.perf_counter() - t0)
+        if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
+            print(f"step {step + 1:5d}  loss(rank0) {float(local[step]):.4f}  lr {lr:.2e}  {times[-1]:.3f}s",
+                  flush=True)
+        if spec.save_at is not None and step + 1 == spec.save_at:
+            if not spec.checkpoint_dir:
+                raise ValueError("RunSpec.save_at needs checkpoint_dir")
+            engine.save_checkpoint(spec.checkpoint_dir, tag=CKPT_TAG.format(step=step + 1),
+                                   client_state={"step": step + 1})
+    dist.all_reduce(local)  # one collective for the whole loss curve
+    for s in range(start, spec.steps):
+        losses[s] = float(local[s]) / world
+    # Statistics of the training steps only (evaluation gathers come after).
+    mine = comm_stats.default_recorder().as_dict()
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    comm = {"total": _sum_stats(per_rank), "per_rank": per_rank}
+    steps_run = spec.steps - start
+    inter = sum(links.get("inter", {}).get("bytes", 0) for links in comm["total"].values())
+
+    val = float("nan")
+    if spec.eval_batches > 0:
+        engine.eval()
+        vtotal = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for i in range(spec.eval_batches):
+                x, y = data.batch(i, rank, spec.micro_batch, L, seed=spec.seed, split="val")
+                vtotal += float(engine(x, y))
+        dist.all_reduce(vtotal)
+        val = float(vtotal) / (world * spec.eval_batches)
+        engine.train()
+
+    zopt = engine.optimizer
+    extra: dict[str, Any] = {
+        "optimizer": type(zopt.optimizer).__module__ + "." + type(zopt.optimizer).__name__,
+        "first_step": start + 1,
+        "world_size": world,
+        "params": n_params,
+        "sdpq": None if adapter is None else adapter.config.to_dict(),
+        "layout": None if adapter is None else adapter.topology.layout,
+        "step_times": times,
+        "ds_config": ds_config(spec, ds_overrides),
+    }
+    if checks:  # keyed by parameter name (ds_id numbering continues across engines in a process)
+        names = {}
+        for n, p in engine.module.named_parameters():
+            names.setdefault(p.ds_id, n)
+        extra["partition_digests"] = {n: _digest(p.ds_tensor) for n, p in engine.module.named_parameters()}
+        if adapter is not None:
+            extra["references"] = {names[i]: (adapter.topology.local_rank,
+                                              None if wg.reference is None else _digest(wg.reference))
+                                   for i, wg in adapter.weights.items()}
+    warm = times[min(5, len(times) - 1):] if times else [float("nan")]
+    result = RunResult(
+        losses=losses,
+        val_loss=val,
+        step_seconds=statistics.median(warm),
+        comm=comm,
+        cross_node_bytes_per_step=inter / max(1, steps_run),
+        optimizer_bytes_per_param=optimizer_bytes_per_param(engine),
+        extra=extra,
+    )
+    engine.destroy()
+    return result

@@ -1,0 +1,311 @@
+"""FSDP2 training backend: `train(spec) -> RunResult` on an initialised process group.
+
+Builds the GPT (same init on every rank), `fully_shard`s every block and the root, applies
+sdpq per `spec.sdpq` (None = plain FSDP2), trains with the spec's schedule (linear warm-up,
+cosine decay, AdamW, gradient clipping, gradient accumulation with
+`set_requires_gradient_sync(False)` on all but the last micro-step), saves / resumes a
+torch.distributed.checkpoint (model, optimizer, sdpq state) and reports losses, communication
+statistics and optimizer memory.
+
+Batches are a pure function of (seed, micro-step, rank), so a resumed run sees exactly the
+tokens of the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import statistics
+import time
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from ..comm import stats as comm_stats
+from ..config import Config
+from ..integrations import fsdp as sdpq_fsdp
+from .data import TokenData
+from .model import GPT
+from .run import RunResult, RunSpec, lr_at
+
+__all__ = ["train", "build_model", "build_optimizer", "save_checkpoint", "load_checkpoint"]
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous()
+    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def sdpq_config(spec: RunSpec) -> Config | None:
+    """The spec's sdpq block as a Config; spec.ranks_per_node fills topology.ranks_per_node
+    when the block leaves it on "auto"."""
+    if spec.sdpq is None:
+        return None
+    cfg = Config.from_dict(spec.sdpq)
+    if cfg.topology.ranks_per_node == "auto" and spec.ranks_per_node != "auto":
+        cfg = cfg.replace(topology={"ranks_per_node": spec.ranks_per_node})
+    return cfg
+
+
+def build_model(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True, freeze: Iterable[str] = ()) -> GPT:
+    """The GPT, identical on every rank (seeded), bf16 if spec.bf16, parameters whose name starts
+    with a prefix in `freeze` frozen, sharded per block and at the root."""
+    torch.manual_seed(spec.seed)
+    model = GPT(spec.model)
+    if spec.bf16:
+        model = model.to(torch.bfloat16)
+    freeze = tuple(freeze)
+    for name, p in model.named_parameters():
+        if freeze and name.startswith(freeze):
+            p.requires_grad_(False)
+    kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mesh is not None:
+        kw["mesh"] = mesh
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def build_optimizer(spec: RunSpec, model, cfg: Config | None) -> tuple[torch.optim.Optimizer, str]:
+    """sdpq.optim.AdamW when the sdpq block enables it, else torch.optim.AdamW; (optimizer, name)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    kw = dict(lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    if cfg is not None and cfg.optimizer.enabled:
+        from ..optim import AdamW  # the optimizer layer (fp8/bf16/fp32 states, MCF/native master)
+
+        o = cfg.optimizer
+        opt = AdamW(params, **kw, states=o.states, master=o.master, mcf_second_moment=o.mcf_second_moment,
+                    group_size=o.group_size, v_format=o.v_format)
+        return opt, f"sdpq.optim.AdamW(states={o.states}, master={o.master})"
+    return torch.optim.AdamW(params, **kw), "torch.optim.AdamW"
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _states(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    sd: dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    if sdpq_fsdp.is_applied(model):
+        sd["sdpq"] = sdpq_fsdp.state_dict(model)
+    return sd
+
+
+def _positional(osd: dict) -> dict:
+    """An FQN-keyed optimizer state dict (DCP's get_optimizer_state_dict) re-keyed by position,
+    the form Optimizer.state_dict() produces. Note: set_optimizer_state_dict hands FQN keys to
+    optimizer.load_state_dict, which torch's optimizers map by position but sdpq.optim.AdamW
+    (current version) parses as integers; with integer keys DCP passes the dict through as is."""
+    order = [fqn for g in osd["param_groups"] for fqn in g["params"]]
+    ids = {fqn: i for i, fqn in enumerate(order)}
+    return {"state": {ids[k]: v for k, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [ids[f] for f in g["params"]]} for g in osd["param_groups"]]}
+
+
+def save_checkpoint(path: str, model, opt, step: int) -> None:
+    """DCP checkpoint of model, optimizer and sdpq state (weight references, residuals, RNG)."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = _states(model, opt)
+    sd["progress"] = {"step": torch.tensor(step, dtype=torch.int64)}
+    dcp.save(sd, checkpoint_id=path)
+
+
+def load_checkpoint(path: str, model, opt) -> int:
+    """Load what save_checkpoint wrote; returns the step it was saved after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    sd = _states(model, opt)  # templates (right shapes and placements)
+    sd["progress"] = {"step": torch.tensor(-1, dtype=torch.int64)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, _positional(sd["optim"]))
+    if "sdpq" in sd:
+        sdpq_fsdp.load_state_dict(model, sd["sdpq"])  # marks the weights changed (quantized diff)
+    return int(sd["progress"]["step"])
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _sum_stats(per_rank: list[dict]) -> dict:
+    total: dict = {}
+    for d in per_rank:
+        for path, links in d.items():
+            for link, c in links.items():
+                t = total.setdefault(path, {}).setdefault(link, {"bytes": 0, "elements": 0, "calls": 0,
+                                                                 "baseline_bytes": 0})
+                t["bytes"] += c["bytes"]
+                t["elements"] += c["elements"]
+                t["calls"] += c["calls"]
+                if c["elements"] and not math.isnan(c["baseline_bits_per_element"]):
+                    t["baseline_bytes"] += round(c["baseline_bits_per_element"] * c["elements"] / 8)
+    for links in total.values():
+        for t in links.values():
+            t["bits_per_element"] = 8 * t["bytes"] / t["elements"] if t["elements"] else float("nan")
+    return total
+
+
+def _optimizer_bytes_per_param(opt, model) -> float:
+    params = [p for p in model.parameters()]
+    try:
+        from ..optim.memory import memory_report
+
+        rep = memory_report(opt)
+        nbytes = sum(rep.get(k, 0) for k in ("weights", "master", "states", "metadata"))
+        numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params
+                    if any(p is q for g in opt.param_groups for q in g["params"]))
+        # Frozen parameters are weights too.
+        nbytes += sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params if not p.requires_grad)
+        numel += sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params if not p.requires_grad)
+    except Exception:  # the optimizer layer's report is unavailable: count tensors ourselves
+        loc = [(p.to_local() if hasattr(p, "to_local") else p) for p in params]
+        nbytes = sum(t.nbytes for t in loc)
+        numel = sum(t.numel() for t in loc)
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    nbytes += (v.to_local() if hasattr(v, "to_local") else v).nbytes
+    t = torch.tensor([float(nbytes), float(numel)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _forward_digests(model, record: list) -> list:
+    """Forward pre-hooks (run after FSDP's unshard) that record a digest of every FSDP module's
+    unsharded parameters: what this rank's forward computes with."""
+    handles = []
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+
+        def hook(mod, args, name=name):
+            own = [p for p in mod.parameters() if not hasattr(p, "to_local")]  # unsharded = plain tensors
+            record.append((name, _digest(torch.cat([p.detach().reshape(-1).float() for p in own]))))
+
+        handles.append(m.register_forward_pre_hook(hook))
+    return handles
+
+
+def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
+          reshard_after_forward: bool = True, freeze: Iterable[str] = (), checks: bool = False,
+          data: TokenData | None = None) -> RunResult:
+    """Run `spec` with FSDP2 on the initialised default process group (every rank calls it).
+
+    mesh: a DeviceMesh for fully_shard (2-D = HSDP); mp_policy: FSDP2 mixed precision;
+    freeze: parameter-name prefixes to freeze; checks: record in `extra` a digest of the weights
+    every FSDP module's forward used (per step) and of every weight reference at the end.
+    """
+    if spec.backend != "fsdp2":
+        raise ValueError(f"fsdp_backend.train: spec.backend is {spec.backend!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("fsdp_backend.train needs an initialised torch.distributed process group")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = data or (TokenData.from_path(spec.data) if spec.data else TokenData.stdlib())
+    cfg = sdpq_config(spec)
+    model = build_model(spec, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                        freeze=freeze)
+    opt, opt_name = build_optimizer(spec, model, cfg)
+    comm_stats.reset()
+    if cfg is not None:
+        sdpq_fsdp.apply(model, cfg, optimizer=opt)
+    start = 0
+    if spec.resume:
+        if not spec.checkpoint_dir:
+            raise ValueError("RunSpec.resume needs checkpoint_dir")
+        start = load_checkpoint(spec.checkpoint_dir, model, opt)
+    forward_digests: list = []
+    handles = _forward_digests(model, forward_digests) if checks else []
+    per_step_digests: list = []
+
+    losses = [float("nan")] * spec.steps
+    times = []
+    L = spec.model.seq_len
+    for step in range(start, spec.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(spec, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        total = torch.zeros((), dtype=torch.float32)
+        for micro in range(spec.grad_accum):
+            model.set_requires_gradient_sync(micro == spec.grad_accum - 1)
+            x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, L, seed=spec.seed)
+            loss = model(x, y) / spec.grad_accum
+            loss.backward()
+            total += loss.detach().float()
+        if spec.grad_clip and spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], spec.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses[step] = float(total) / world
+        times.append(time.perf_counter() - t0)
+        if checks:
+            per_step_digests.append(list(forward_digests))
+            forward_digests.clear()
+        if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
+            print(f"step {step + 1:5d}  loss {losses[step]:.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True)
+        if spec.save_at is not None and step + 1 == spec.save_at:
+            if not spec.checkpoint_dir:
+                raise ValueError("RunSpec.save_at needs checkpoint_dir")
+            save_checkpoint(spec.checkpoint_dir, model, opt, step + 1)
+    for h in handles:
+        h.remove()
+
+    val = float("nan")
+    if spec.eval_batches > 0:
+        vtotal = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for i in range(spec.eval_batches):
+                x, y = data.batch(i, rank, spec.micro_batch, L, seed=spec.seed, split="val")
+                vtotal += float(model(x, y))
+        dist.all_reduce(vtotal)
+        val = float(vtotal) / (world * spec.eval_batches)
+
+    mine = comm_stats.default_recorder().as_dict()
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    comm = {"total": _sum_stats(per_rank), "per_rank": per_rank}
+    steps_run = spec.steps - start
+    inter = sum(links.get("inter", {}).get("bytes", 0) for links in comm["total"].values())
+    extra: dict[str, Any] = {
+        "optimizer": opt_name,
+        "first_step": start + 1,
+        "world_size": world,
+        "params": sum(p.numel() for p in model.parameters()),
+        "sdpq": None if cfg is None else cfg.to_dict(),
+        "skipped_steps": getattr(opt, "skipped_steps", 0),
+    }
+    if checks:
+        extra["forward_digests"] = per_step_digests
+        extra["param_digests"] = {n: _digest(p.to_local() if hasattr(p, "to_local") else p)
+                                  for n, p in model.named_parameters()}
+        if cfg is not None and cfg.weights.mode == "diff":
+            extra["references"] = {
+                name: (c.topology.local_rank, None if c.weights.reference is None else _digest(c.weights.reference))
+                for name, c in sdpq_fsdp.module_comms(model).items()}
+    warm = times[min(5, len(times) - 1):] if times else [float("nan")]
+    result = RunResult(
+        losses=losses,
+        val_loss=val,
+        step_seconds=statistics.median(warm),
+        comm=comm,
+        cross_node_bytes_per_step=inter / max(1, steps_run),
+        optimizer_bytes_per_param=_optimizer_bytes_per_param(opt, model),
+        extra=extra,
+    )
+    if cfg is not None:
+        sdpq_fsdp.remove(model)
+    return result
