@@ -276,19 +276,21 @@ class Config:
 
     @classmethod
     def from_deepspeed(cls, ds_config: str | os.PathLike | Mapping[str, Any]) -> "Config | None":
-        """The top-level ``"sdpq"`` block of a DeepSpeed config (path or dict), or None if absent.
+        """The top-level ``"sdpq"`` block of a DeepSpeed config (path or dict); None = plain DeepSpeed.
 
         No other key of the DeepSpeed config is read: DeepSpeed validates its own keys.
-        An empty block means "sdpq with defaults"; a missing block means plain DeepSpeed.
+        A missing or empty block means plain DeepSpeed (None); any key turns sdpq on, with the
+        defaults for every section the block leaves out.
         """
         if isinstance(ds_config, (str, os.PathLike)):
             with open(ds_config) as f:
                 ds_config = json.load(f)
         if not isinstance(ds_config, Mapping):
             raise ConfigError(f"DeepSpeed config: expected an object, got {type(ds_config).__name__}")
-        if ROOT not in ds_config:
+        block = ds_config.get(ROOT)
+        if block is None or (isinstance(block, Mapping) and not block):
             return None
-        return cls.from_dict(ds_config[ROOT])
+        return cls.from_dict(block)
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name).to_dict() for name in _SECTIONS}

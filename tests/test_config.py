@@ -89,7 +89,8 @@ def test_from_deepspeed_reads_only_the_sdpq_block(tmp_path):
     assert Config.from_deepspeed(path).weights.mode == "exact"
     assert Config.from_deepspeed(str(path)) == Config.from_deepspeed(ds)
     assert Config.from_deepspeed({"train_batch_size": 8}) is None  # plain DeepSpeed
-    assert Config.from_deepspeed({"sdpq": {}}) == Config()
+    assert Config.from_deepspeed({"sdpq": {}}) is None  # an empty block is plain DeepSpeed too
+    assert Config.from_deepspeed({"sdpq": {"stats": {}}}) == Config()  # any key: defaults elsewhere
     with pytest.raises(ConfigError, match=r"^sdpq\.gradients\.inter_bitz: unknown key"):
         Config.from_deepspeed({"sdpq": {"gradients": {"inter_bitz": 4}}})
 

@@ -33,7 +33,7 @@ def _sdpq_block(path: str | None) -> dict | None:
         block = Config.from_deepspeed(cfg)  # validates; None when the DeepSpeed config has no block
         return None if block is None else cfg["sdpq"]
     Config.from_dict(cfg)  # a bare sdpq block: validate it now, with key paths in the error
-    return cfg
+    return cfg or None  # empty = baseline, as an empty "sdpq" block in a DeepSpeed config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
