@@ -65,7 +65,7 @@ def _run_arm(name: str, args: argparse.Namespace, out: Path, progress: Progress,
     cfg.write_text(json.dumps(block))
     cmd += ["--config", str(cfg)] + (["--bf16"] if bf16 else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    log = (out / f"{name}.log").open("w")
+    log = (out / f"{name}.log").open("w", buffering=1)  # line-buffered: `tail -f` works
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     for line in proc.stdout:
         log.write(line)
