@@ -10,5 +10,7 @@ set_threads "${RANKS_PER_NODE:-$NP}"
 extra=()
 if [ -n "${MPI_HOSTFILE:-}" ]; then extra+=(--hostfile "$MPI_HOSTFILE"); fi
 if [ "$(id -u)" = 0 ]; then extra+=(--allow-run-as-root); fi
-run "$PYBIN/mpirun" -np "$NP" --oversubscribe "${extra[@]}" -x OMP_NUM_THREADS -x PATH \
+# --map-by slot: consecutive ranks share a node (Open MPI 5 otherwise interleaves them, and
+# local ranks no longer follow rank // ranks_per_node).
+run "$PYBIN/mpirun" -np "$NP" --map-by slot --oversubscribe "${extra[@]}" -x OMP_NUM_THREADS -x PATH \
     "$SDPQ_PYTHON" -m sdpq.train "$@"

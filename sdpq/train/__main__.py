@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="resume from --checkpoint-dir")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default=None, help="write the result (JSON) here (rank 0)")
+    # The deepspeed launcher appends --local_rank=N; the environment (LOCAL_RANK) says the same.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:

@@ -65,7 +65,7 @@ def test_slurm_uses_srun_and_task_cpus():
 
 def test_mpirun():
     line = _dry_run("mpirun.sh", NP="8", MPI_HOSTFILE="hosts")
-    assert "/mpirun -np 8 --oversubscribe" in line and "--hostfile hosts" in line and "-x OMP_NUM_THREADS" in line
+    assert "/mpirun -np 8 --map-by slot --oversubscribe" in line and "--hostfile hosts" in line and "-x OMP_NUM_THREADS" in line
     assert "-m sdpq.train" in line
 
 
