@@ -99,17 +99,6 @@ def _states(model, opt) -> dict:
     return sd
 
 
-def _positional(osd: dict) -> dict:
-    """An FQN-keyed optimizer state dict (DCP's get_optimizer_state_dict) re-keyed by position,
-    the form Optimizer.state_dict() produces. Note: set_optimizer_state_dict hands FQN keys to
-    optimizer.load_state_dict, which torch's optimizers map by position but sdpq.optim.AdamW
-    (current version) parses as integers; with integer keys DCP passes the dict through as is."""
-    order = [fqn for g in osd["param_groups"] for fqn in g["params"]]
-    ids = {fqn: i for i, fqn in enumerate(order)}
-    return {"state": {ids[k]: v for k, v in osd["state"].items()},
-            "param_groups": [{**g, "params": [ids[f] for f in g["params"]]} for g in osd["param_groups"]]}
-
-
 def save_checkpoint(path: str, model, opt, step: int) -> None:
     """DCP checkpoint of model, optimizer and sdpq state (weight references, residuals, RNG)."""
     import torch.distributed.checkpoint as dcp
@@ -128,7 +117,7 @@ def load_checkpoint(path: str, model, opt) -> int:
     sd["progress"] = {"step": torch.tensor(-1, dtype=torch.int64)}
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, _positional(sd["optim"]))
+    set_optimizer_state_dict(model, opt, sd["optim"])
     if "sdpq" in sd:
         sdpq_fsdp.load_state_dict(model, sd["sdpq"])  # marks the weights changed (quantized diff)
     return int(sd["progress"]["step"])
