@@ -163,3 +163,23 @@ def summary() -> tuple[str, dict]:
 
 def reset() -> None:
     _DEFAULT.reset()
+
+
+def sum_over_ranks(per_rank: list[dict]) -> dict:
+    """Sum the `as_dict()` counters of several ranks (bytes, elements, calls, baseline bytes);
+    bits per element recomputed from the sums (NaN where no element was counted)."""
+    total: dict = {}
+    for d in per_rank:
+        for path, links in d.items():
+            for link, c in links.items():
+                t = total.setdefault(path, {}).setdefault(link, {"bytes": 0, "elements": 0, "calls": 0,
+                                                                 "baseline_bytes": 0})
+                t["bytes"] += c["bytes"]
+                t["elements"] += c["elements"]
+                t["calls"] += c["calls"]
+                if c["elements"] and not math.isnan(c["baseline_bits_per_element"]):
+                    t["baseline_bytes"] += round(c["baseline_bits_per_element"] * c["elements"] / 8)
+    for links in total.values():
+        for t in links.values():
+            t["bits_per_element"] = 8 * t["bytes"] / t["elements"] if t["elements"] else float("nan")
+    return total

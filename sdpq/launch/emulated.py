@@ -11,7 +11,6 @@ import argparse
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time

@@ -10,9 +10,7 @@ the "sdpq" block) and trains it with `sdpq.deepspeed.initialize` (plain DeepSpee
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import statistics
 import time
 from typing import Any
@@ -23,7 +21,7 @@ import torch.distributed as dist
 from ..comm import stats as comm_stats
 from .data import TokenData
 from .model import GPT
-from .run import RunResult, RunSpec, lr_at
+from .run import RunResult, RunSpec, digest, lr_at
 
 __all__ = ["train", "ds_config", "optimizer_bytes_per_param", "CKPT_TAG"]
 
@@ -60,9 +58,6 @@ def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
     return _merge(cfg, overrides or {})
 
 
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().contiguous().reshape(-1)
-    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 def optimizer_bytes_per_param(engine) -> float:
@@ -84,21 +79,6 @@ def optimizer_bytes_per_param(engine) -> float:
     return float(t[0] / t[1])
 
 
-def _sum_stats(per_rank: list[dict]) -> dict:
-    total: dict = {}
-    for d in per_rank:
-        for path, links in d.items():
-            for link, c in links.items():
-                t = total.setdefault(path, {}).setdefault(link, {"bytes": 0, "elements": 0, "calls": 0,
-                                                                 "baseline_bytes": 0})
-                for k in ("bytes", "elements", "calls"):
-                    t[k] += c[k]
-                if c["elements"] and not math.isnan(c["baseline_bits_per_element"]):
-                    t["baseline_bytes"] += round(c["baseline_bits_per_element"] * c["elements"] / 8)
-    for links in total.values():
-        for t in links.values():
-            t["bits_per_element"] = 8 * t["bytes"] / t["elements"] if t["elements"] else float("nan")
-    return total
 
 
 def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
@@ -163,7 +143,7 @@ def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
     mine = comm_stats.default_recorder().as_dict()
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
-    comm = {"total": _sum_stats(per_rank), "per_rank": per_rank}
+    comm = {"total": comm_stats.sum_over_ranks(per_rank), "per_rank": per_rank}
     steps_run = spec.steps - start
     inter = sum(links.get("inter", {}).get("bytes", 0) for links in comm["total"].values())
 
@@ -194,10 +174,10 @@ def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
         names = {}
         for n, p in engine.module.named_parameters():
             names.setdefault(p.ds_id, n)
-        extra["partition_digests"] = {n: _digest(p.ds_tensor) for n, p in engine.module.named_parameters()}
+        extra["partition_digests"] = {n: digest(p.ds_tensor) for n, p in engine.module.named_parameters()}
         if adapter is not None:
             extra["references"] = {names[i]: (adapter.topology.local_rank,
-                                              None if wg.reference is None else _digest(wg.reference))
+                                              None if wg.reference is None else digest(wg.reference))
                                    for i, wg in adapter.weights.items()}
     warm = times[min(5, len(times) - 1):] if times else [float("nan")]
     result = RunResult(

@@ -13,9 +13,6 @@ tokens of the uninterrupted one.
 
 from __future__ import annotations
 
-import hashlib
-import math
-import os
 import statistics
 import time
 from typing import Any, Iterable
@@ -29,14 +26,11 @@ from ..config import Config
 from ..integrations import fsdp as sdpq_fsdp
 from .data import TokenData
 from .model import GPT
-from .run import RunResult, RunSpec, lr_at
+from .run import RunResult, RunSpec, digest, lr_at
 
 __all__ = ["train", "build_model", "build_optimizer", "save_checkpoint", "load_checkpoint"]
 
 
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().contiguous()
-    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 def sdpq_config(spec: RunSpec) -> Config | None:
@@ -126,22 +120,6 @@ def load_checkpoint(path: str, model, opt) -> int:
 # ----------------------------------------------------------------------------- statistics
 
 
-def _sum_stats(per_rank: list[dict]) -> dict:
-    total: dict = {}
-    for d in per_rank:
-        for path, links in d.items():
-            for link, c in links.items():
-                t = total.setdefault(path, {}).setdefault(link, {"bytes": 0, "elements": 0, "calls": 0,
-                                                                 "baseline_bytes": 0})
-                t["bytes"] += c["bytes"]
-                t["elements"] += c["elements"]
-                t["calls"] += c["calls"]
-                if c["elements"] and not math.isnan(c["baseline_bits_per_element"]):
-                    t["baseline_bytes"] += round(c["baseline_bits_per_element"] * c["elements"] / 8)
-    for links in total.values():
-        for t in links.values():
-            t["bits_per_element"] = 8 * t["bytes"] / t["elements"] if t["elements"] else float("nan")
-    return total
 
 
 def _optimizer_bytes_per_param(opt, model) -> float:
@@ -182,7 +160,7 @@ def _forward_digests(model, record: list) -> list:
 
         def hook(mod, args, name=name):
             own = [p for p in mod.parameters() if not hasattr(p, "to_local")]  # unsharded = plain tensors
-            record.append((name, _digest(torch.cat([p.detach().reshape(-1).float() for p in own]))))
+            record.append((name, digest(torch.cat([p.detach().reshape(-1).float() for p in own]))))
 
         handles.append(m.register_forward_pre_hook(hook))
     return handles
@@ -266,7 +244,7 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
     mine = comm_stats.default_recorder().as_dict()
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
-    comm = {"total": _sum_stats(per_rank), "per_rank": per_rank}
+    comm = {"total": comm_stats.sum_over_ranks(per_rank), "per_rank": per_rank}
     steps_run = spec.steps - start
     inter = sum(links.get("inter", {}).get("bytes", 0) for links in comm["total"].values())
     extra: dict[str, Any] = {
@@ -279,11 +257,11 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
     }
     if checks:
         extra["forward_digests"] = per_step_digests
-        extra["param_digests"] = {n: _digest(p.to_local() if hasattr(p, "to_local") else p)
+        extra["param_digests"] = {n: digest(p.to_local() if hasattr(p, "to_local") else p)
                                   for n, p in model.named_parameters()}
         if cfg is not None and cfg.weights.mode == "diff":
             extra["references"] = {
-                name: (c.topology.local_rank, None if c.weights.reference is None else _digest(c.weights.reference))
+                name: (c.topology.local_rank, None if c.weights.reference is None else digest(c.weights.reference))
                 for name, c in sdpq_fsdp.module_comms(model).items()}
     warm = times[min(5, len(times) - 1):] if times else [float("nan")]
     result = RunResult(

@@ -6,13 +6,16 @@ return a ``RunResult``, so the demo, the benchmarks and ``python -m sdpq.train``
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from .model import GPTConfig
 
-__all__ = ["RunSpec", "RunResult", "lr_at"]
+__all__ = ["RunSpec", "RunResult", "lr_at", "digest"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +66,9 @@ def lr_at(spec: RunSpec, step: int) -> float:
         return spec.lr * (step + 1) / spec.warmup
     t = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def digest(t) -> str:
+    """Short hash of a tensor's bytes: bitwise comparisons across ranks and runs in tests."""
+    t = t.detach().contiguous().reshape(-1)
+    return hashlib.sha1(t.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
