@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..comm import stats as comm_stats
 from .data import TokenData
 from .model import GPT
-from .run import RunResult, RunSpec, digest, lr_at
+from .run import RunResult, RunSpec, digest, lr_at, validation_loss
 
 __all__ = ["train", "ds_config", "optimizer_bytes_per_param", "CKPT_TAG"]
 
@@ -147,17 +147,9 @@ def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
     steps_run = spec.steps - start
     inter = sum(links.get("inter", {}).get("bytes", 0) for links in comm["total"].values())
 
-    val = float("nan")
-    if spec.eval_batches > 0:
-        engine.eval()
-        vtotal = torch.zeros((), dtype=torch.float64)
-        with torch.no_grad():
-            for i in range(spec.eval_batches):
-                x, y = data.batch(i, rank, spec.micro_batch, L, seed=spec.seed, split="val")
-                vtotal += float(engine(x, y))
-        dist.all_reduce(vtotal)
-        val = float(vtotal) / (world * spec.eval_batches)
-        engine.train()
+    engine.eval()
+    val = validation_loss(engine, data, spec, rank, world)
+    engine.train()
 
     zopt = engine.optimizer
     extra: dict[str, Any] = {

@@ -26,7 +26,7 @@ from ..config import Config
 from ..integrations import fsdp as sdpq_fsdp
 from .data import TokenData
 from .model import GPT
-from .run import RunResult, RunSpec, digest, lr_at
+from .run import RunResult, RunSpec, digest, lr_at, validation_loss
 
 __all__ = ["train", "build_model", "build_optimizer", "save_checkpoint", "load_checkpoint"]
 
@@ -231,15 +231,7 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
     for h in handles:
         h.remove()
 
-    val = float("nan")
-    if spec.eval_batches > 0:
-        vtotal = torch.zeros((), dtype=torch.float64)
-        with torch.no_grad():
-            for i in range(spec.eval_batches):
-                x, y = data.batch(i, rank, spec.micro_batch, L, seed=spec.seed, split="val")
-                vtotal += float(model(x, y))
-        dist.all_reduce(vtotal)
-        val = float(vtotal) / (world * spec.eval_batches)
+    val = validation_loss(model, data, spec, rank, world)
 
     mine = comm_stats.default_recorder().as_dict()
     per_rank: list = [None] * world

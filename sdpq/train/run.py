@@ -15,7 +15,7 @@ import torch
 
 from .model import GPTConfig
 
-__all__ = ["RunSpec", "RunResult", "lr_at", "digest"]
+__all__ = ["RunSpec", "RunResult", "lr_at", "digest", "validation_loss"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,19 @@ def digest(t) -> str:
     """Short hash of a tensor's bytes: bitwise comparisons across ranks and runs in tests."""
     t = t.detach().contiguous().reshape(-1)
     return hashlib.sha1(t.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def validation_loss(forward, data, spec: RunSpec, rank: int, world: int) -> float:
+    """Mean loss of ``spec.eval_batches`` validation batches per rank, averaged over all ranks
+    (NaN when eval_batches is 0). ``forward(x, y)`` returns the loss; call on every rank."""
+    import torch.distributed as dist
+
+    if spec.eval_batches <= 0:
+        return float("nan")
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(spec.eval_batches):
+            x, y = data.batch(i, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed, split="val")
+            total += float(forward(x, y))
+    dist.all_reduce(total)
+    return float(total) / (world * spec.eval_batches)
