@@ -4,10 +4,13 @@ Runs (same seed, same batches - a pure function of (seed, step, rank) - same sch
   baseline   plain FSDP2 (no sdpq), fp32 model, torch.optim.AdamW
   exact      sdpq installed with every path exact (must equal baseline bitwise; its byte
              statistics are the baseline's traffic, measured)
-  full       weights diff 4-bit + gradients 8/4-bit two-level with Hadamard + fp8/MCF AdamW
-             (bf16 model: MCF keeps bf16 parameters + bf16 compensation instead of fp32 master)
   weights    weights diff 4-bit only (fp32 model, torch AdamW)
+  gradients_nohad  gradients two-level 8/4-bit WITHOUT Hadamard smoothing (fp32 model, torch AdamW)
   gradients  gradients two-level 8/4-bit + Hadamard only (fp32 model, torch AdamW)
+  comms      full sdpq communication: weights diff 4-bit + gradients 8/4-bit + Hadamard (fp32
+             model, torch AdamW)
+  full       full sdpq + compressed optimizer: `comms` + fp8/MCF AdamW (bf16 model: MCF keeps
+             bf16 parameters + bf16 compensation instead of fp32 master)
   optimizer  fp8 states + MCF master only (bf16 model, exact comms: also the bf16 traffic baseline)
   resume     `full` resumed from the DCP checkpoint that `full` saved after step --save-at
   baseline_perturbed  the baseline with lr * (1 + 1e-6): the run-to-run sensitivity of the
@@ -16,9 +19,9 @@ Runs (same seed, same batches - a pure function of (seed, step, rank) - same sch
 
 Prints the final losses and their ratios to the baseline, cross-node bytes per step (summed
 over all ranks, from sdpq's statistics) and the ratio, the resume check and time per step;
-writes everything to --out (JSON).
+writes everything to --out (JSON) and the loss curves next to it (--out with .png).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_convergence.py            # ~25-45 min on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_convergence.py            # ~40 min on 2 cores
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_convergence.py --steps 20 --save-at 10   # smoke
 """
 
@@ -44,23 +47,31 @@ sys.path.insert(0, str(ROOT))
 
 WORLD, RPN = 4, 2
 OFF = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
+WEIGHTS = {"mode": "diff", "bits": 4}
+GRADS = {"mode": "two_level", "intra_bits": 8, "inter_bits": 4, "hadamard": True}
+OPTIM = {"enabled": True, "states": "fp8", "master": "mcf"}
 RUNS = {
     # name: (sdpq block, bf16 model)
     "baseline": (None, False),
     "exact": (OFF, False),
-    "full": ({"weights": {"mode": "diff", "bits": 4},
-              "gradients": {"mode": "two_level", "intra_bits": 8, "inter_bits": 4, "hadamard": True},
-              "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"}}, True),
-    "weights": ({**OFF, "weights": {"mode": "diff", "bits": 4}}, False),
-    "gradients": ({**OFF, "gradients": {"mode": "two_level", "intra_bits": 8, "inter_bits": 4, "hadamard": True}},
-                  False),
-    "optimizer": ({**OFF, "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"}}, True),
+    "weights": ({**OFF, "weights": WEIGHTS}, False),
+    "gradients_nohad": ({**OFF, "gradients": {**GRADS, "hadamard": False}}, False),
+    "gradients": ({**OFF, "gradients": GRADS}, False),
+    "comms": ({"weights": WEIGHTS, "gradients": GRADS, "optimizer": {"enabled": False}}, False),
+    "full": ({"weights": WEIGHTS, "gradients": GRADS, "optimizer": OPTIM}, True),
+    "optimizer": ({**OFF, "optimizer": OPTIM}, True),
     "bf16_plain": (None, True),
     # The baseline with lr * (1 + 1e-6): how far an infinitesimal perturbation moves the final
     # loss, i.e. the run-to-run sensitivity the 1% criterion is judged against.
     "baseline_perturbed": (None, False),
 }
-DEFAULT_RUNS = ["baseline", "exact", "full", "weights", "gradients", "optimizer", "resume", "baseline_perturbed"]
+# The issue's arm list (baseline, weights, gradients without / with Hadamard, full comms, full +
+# compressed optimizer), the exactness check, the resume check and the sensitivity reference.
+DEFAULT_RUNS = ["baseline", "exact", "weights", "gradients_nohad", "gradients", "comms", "full", "resume",
+                "baseline_perturbed"]
+LABELS = {"baseline": "FSDP2 fp32", "weights": "weights 4-bit diff", "gradients_nohad": "gradients 8/4-bit, no Hadamard",
+          "gradients": "gradients 8/4-bit + Hadamard", "comms": "full sdpq comms",
+          "full": "full sdpq + fp8/MCF AdamW", "optimizer": "fp8/MCF AdamW only", "bf16_plain": "FSDP2 bf16"}
 
 
 def _free_port() -> int:
@@ -203,9 +214,44 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=1, default=str))
+    plot(results, out.with_suffix(".png"), args)
     print(json.dumps(summary, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0 if summary.get("all_pass", True) else 1
+
+
+def plot(results: dict, path: Path, args, window: int = 10) -> None:
+    """Loss curves (moving mean over `window` steps; the raw per-step loss is noisy) + ratio panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(xs: list[float]) -> list[float]:
+        return [sum(xs[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
+
+    fig, (ax, rx) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=[2, 1])
+    base = smooth(results["baseline"]["losses"]) if "baseline" in results else None
+    for name, r in results.items():
+        if name in ("exact", "resume", "baseline_perturbed"):
+            continue
+        ys = smooth(r["losses"])
+        ax.plot(range(1, len(ys) + 1), ys, label=LABELS.get(name, name), linewidth=1)
+        if base is not None and name != "baseline":
+            rx.plot(range(1, len(ys) + 1), [y / b for y, b in zip(ys, base)], label=LABELS.get(name, name),
+                    linewidth=1)
+    ax.set_ylabel(f"training loss (mean of {window} steps)")
+    ax.set_title(f"FSDP2 + sdpq, GPT {args.layers}x{args.d_model}, 2 nodes x 2 ranks, lr {args.lr:g}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    rx.axhline(1.0, color="k", linewidth=0.5)
+    rx.axhspan(0.99, 1.01, color="green", alpha=0.08)
+    rx.set_ylabel("ratio to baseline")
+    rx.set_xlabel("step")
+    rx.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def summarize(results: dict, args) -> dict:
@@ -226,7 +272,7 @@ def summarize(results: dict, args) -> dict:
                    "val_ratio": r["val_loss"] / base["val_loss"], "step_seconds": r["step_seconds"],
                    "optimizer_bytes_per_param": r["optimizer_bytes_per_param"],
                    "optimizer": r["extra"]["optimizer"]}
-            if name in ("full", "weights", "gradients", "optimizer"):
+            if name in ("full", "comms", "weights", "gradients", "gradients_nohad", "optimizer"):
                 row["within_1pct"] = abs(f / b_final - 1) <= 0.01
                 checks.append(row["within_1pct"])
             s["loss"][name] = row

@@ -6,6 +6,11 @@ import os
 # ranks from it, and a child forked after an OpenMP thread pool started can deadlock.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# Note: Triton reads TRITON_INTERPRET when it is imported (DeepSpeed imports it on import), so the
+# kernel tests' interpreter mode must be chosen here, before anything imports triton. With a GPU
+# (nvidia-smi present) the kernels are compiled and run on it instead.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sys  # noqa: E402
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 import torch
 
 from ..config import GradientsConfig, StatsConfig
-from ..quant import (QuantSpec, Quantized, dequantize, hadamard, inverse_hadamard, nonfinite_groups, pack,
-                     quantize, unpack)
+from ..quant import QuantSpec
+from ..quant.fused import decode_rows, encode_rows, poison_scales_, reduce_rows
+from ..quant.hadamard import hadamard as _hadamard
+from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
 from ._exchange import all_to_all_rows, reduce_scatter_flat
 from .stats import CommStats, Recorder
 from .topology import Topology
@@ -36,11 +38,6 @@ __all__ = ["GradReduceScatter"]
 
 _SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _NAN = float("nan")
-
-
-def _poison(q: Quantized, bad: torch.Tensor) -> Quantized:
-    """All scales NaN when `bad` (a 0-dim bool tensor): no host sync, no data-dependent branch."""
-    return Quantized(codes=q.codes, scales=torch.where(bad, _NAN, q.scales), numel=q.numel)
 
 
 def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -159,6 +156,7 @@ class GradReduceScatter:
     def _two_level(self, x: torch.Tensor) -> torch.Tensor:
         topo, c = self.topology, self.config
         N, L, nodes = topo.world_size, topo.ranks_per_node, topo.nodes
+        l, node = topo.local_rank, topo.node
         cn, C, S = self.chunk_numel, self.padded_chunk, self.slice_numel
         flat = torch.zeros(N * cn, dtype=torch.float32, device=x.device)
         flat[: self.numel] = x
@@ -169,66 +167,75 @@ class GradReduceScatter:
             self.residual = torch.zeros((nodes, C), dtype=torch.float32, device=x.device)
         sample = self._rec.sample_due(self.calls)
         gen = self._generator(x.device)
+        had = (c.hadamard_block, c.seed) if c.hadamard else None
+        # The fused path re-quantizes the intra-node sum inside the reduction; error feedback and
+        # error sampling need the node partial itself, so they take the unfused inter stage.
+        fused_inter = self.residual is None and not sample
         result = torch.empty(C, dtype=torch.float32, device=x.device)
 
-        def prepare(j: int) -> torch.Tensor:
-            Xj = X[:, j * S:(j + 1) * S]
-            return hadamard(Xj, c.hadamard_block, c.seed) if c.hadamard else Xj.contiguous()
-
         def issue_intra(j: int):
-            Xj = prepare(j)
-            if L == 1:
-                return Xj, None, None, None
-            seg = Xj.view(nodes, L, S).transpose(0, 1).reshape(L, nodes * S)  # row l' -> local rank l'
-            q = quantize(seg, self.intra_spec, gen)
-            bad = nonfinite_groups(q).any()
-            q = _poison(q, bad)
+            Xj = X[:, j * S:(j + 1) * S]
+            if L == 1:  # no intra stage: the "node partial" is the rank's own (transformed) rows
+                return (_hadamard(Xj, *had) if had else Xj), None, None, None
+            # Wire row l' = chunks {n' * L + l'} of this slice (segments of one row, in node order).
+            wire, own, bad = encode_rows(Xj, self.intra_spec, segments=nodes, hadamard=had, own_row=l, generator=gen)
+            poison_scales_(wire, self.intra_spec, nodes * S, bad)
             if sample:
-                others = [k for k in range(L) if k != topo.local_rank]
-                self._rec.record_error("gradients", "intra", _rel_err(dequantize(q)[others], seg[others]))
-            recv, work = all_to_all_rows(pack(q, self.intra_spec), topo.intra_group, async_op=True)
-            return seg, recv, work, bad
+                seg = (_hadamard(Xj, *had) if had else Xj).reshape(nodes, L, S).transpose(0, 1)
+                got = decode_rows(wire, self.intra_spec, nodes * S, torch.empty(L, nodes * S, device=x.device))
+                others = [k for k in range(L) if k != l]
+                self._rec.record_error("gradients", "intra",
+                                       _rel_err(got[others], seg[others].reshape(L - 1, nodes * S)))
+            recv, work = all_to_all_rows(wire, topo.intra_group, async_op=True)
+            return own, recv, work, bad
 
-        def finish_intra(state) -> torch.Tensor:
-            seg, recv, work, bad = state
-            if recv is None:  # L == 1: the "node partial" is the rank's own input
-                return seg
+        def finish_intra(state):
+            """-> (node partial [nodes, S] or None, inter wire or None, own inter row, bad)."""
+            own, recv, work, bad = state
+            if recv is None:
+                return own, None, None, None
             work.wait()
-            parts = dequantize(unpack(recv, self.intra_spec, nodes * S))
-            parts[topo.local_rank] = seg[topo.local_rank]  # own rows exact
-            return (parts.sum(0) + torch.where(bad, _NAN, 0.0)).view(nodes, S)
+            if nodes > 1 and fused_inter:
+                wire, own_p, bad2 = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad,
+                                                encode_spec=self.inter_spec, encode_numel=S, own_seg=node,
+                                                generator=gen)
+                return None, wire, own_p, bad2
+            P = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad,
+                            hadamard=had if nodes == 1 else None)
+            return P.view(nodes, S), None, None, None
 
-        def issue_inter(j: int, P: torch.Tensor):
+        def issue_inter(j: int, state):
+            P, wire, own_p, bad = state
             if nodes == 1:
                 return P, None, None, None
-            if self.residual is not None:
-                P = P + self.residual[:, j * S:(j + 1) * S]
-            q = quantize(P, self.inter_spec, gen)
-            bad = nonfinite_groups(q).any()
-            q = _poison(q, bad)
-            if self.residual is not None or sample:
-                deq = dequantize(q)
-                if sample:
-                    others = [m for m in range(nodes) if m != topo.node]
-                    self._rec.record_error("gradients", "inter", _rel_err(deq[others], P[others]))
+            if wire is None:  # unfused: error feedback / error sampling / no intra stage
                 if self.residual is not None:
-                    res = P - deq
-                    res[topo.node] = 0  # own row is summed exactly
-                    # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
-                    self.residual[:, j * S:(j + 1) * S] = torch.where(bad, 0.0, res)
-            recv, work = all_to_all_rows(pack(q, self.inter_spec), topo.inter_group, async_op=True)
-            return P, recv, work, bad
+                    P = P + self.residual[:, j * S:(j + 1) * S]
+                wire, own, bad = encode_rows(P, self.inter_spec, own_row=node, generator=gen)
+                own_p = own[0]
+                if self.residual is not None or sample:
+                    deq = decode_rows(wire, self.inter_spec, S, torch.empty(nodes, S, device=x.device))
+                    deq = torch.where(bad, _NAN, deq)
+                    if sample:
+                        others = [m for m in range(nodes) if m != node]
+                        self._rec.record_error("gradients", "inter", _rel_err(deq[others], P[others]))
+                    if self.residual is not None:
+                        res = P - deq
+                        res[node] = 0  # own row is summed exactly
+                        # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
+                        self.residual[:, j * S:(j + 1) * S] = torch.where(bad, 0.0, res)
+            poison_scales_(wire, self.inter_spec, S, bad)
+            recv, work = all_to_all_rows(wire, topo.inter_group, async_op=True)
+            return own_p, recv, work, bad
 
         def finish_inter(j: int, state) -> None:
-            P, recv, work, bad = state
-            if recv is None:
-                y = P[0] if nodes == 1 else P[topo.node]
-            else:
-                work.wait()
-                parts = dequantize(unpack(recv, self.inter_spec, S))
-                parts[topo.node] = P[topo.node]
-                y = parts.sum(0) + torch.where(bad, _NAN, 0.0)
-            result[j * S:(j + 1) * S] = inverse_hadamard(y, c.hadamard_block, c.seed) if c.hadamard else y
+            own_p, recv, work, bad = state
+            if recv is None:  # one node: own_p is the node partial (already inverse-transformed if L > 1)
+                y = own_p[0]
+                result[j * S:(j + 1) * S] = _inverse_hadamard(y, *had) if had and L == 1 else y
+                return
+            work.wait()
+            result[j * S:(j + 1) * S] = reduce_rows(recv, self.inter_spec, S, own_p, node, bad, hadamard=had)
 
         # Software pipeline: inter(j) is in flight while intra(j+1) is prepared and exchanged.
         intra_state = issue_intra(0)

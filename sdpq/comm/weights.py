@@ -24,7 +24,8 @@ import warnings
 import torch
 
 from ..config import StatsConfig, WeightsConfig
-from ..quant import QuantSpec, dequantize, nonfinite_groups, pack, quantize, unpack
+from ..quant import QuantSpec
+from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
 from ._exchange import all_gather_rows
 from .stats import CommStats, Recorder
 from .topology import Topology
@@ -187,15 +188,15 @@ class WeightGather:
 
     def _exchange_diff(self, w: torch.Tensor) -> None:
         topo = self.topology
-        d = w - self.reference[topo.node].float()  # Note: fp32 difference against the reconstruction
         if self.spec.rounding == "stochastic" and self._gen is None:
             self._gen = torch.Generator(device=w.device).manual_seed(0x5D9 + topo.rank)
-        row = pack(quantize(d, self.spec, self._gen), self.spec)
-        rows, _ = all_gather_rows(row, topo.inter_group)
-        q = unpack(rows, self.spec, self.shard_numel)
+        # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
+        row, _, _ = encode_rows(w.view(1, -1), self.spec, ref=self.reference[topo.node].view(1, -1),
+                                generator=self._gen)
+        rows, _ = all_gather_rows(row.view(-1), topo.inter_group)
         # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
-        self.reference.copy_(self.reference.float() + dequantize(q))
-        if bool(nonfinite_groups(q).any()):
+        decode_rows(rows, self.spec, self.shard_numel, self.reference, add=True)
+        if bool(wire_nonfinite(rows, self.spec, self.shard_numel)):
             # An inf/nan weight poisons R_l (and so the gathered weights, visibly); the next
             # refresh is exact so that the reference recovers once the weights are finite again.
             self._force_exact = True
@@ -250,10 +251,11 @@ class WeightGather:
         topo = self.topology
         if self.spec.rounding == "stochastic" and self._gen is None:
             self._gen = torch.Generator(device=w.device).manual_seed(0x5D9 + topo.rank)
-        row = pack(quantize(w, self.spec, self._gen), self.spec)
-        rows, _ = all_gather_rows(row, topo.world_group)
+        row, _, _ = encode_rows(w.view(1, -1), self.spec, generator=self._gen)
+        rows, _ = all_gather_rows(row.view(-1), topo.world_group)
         # Note: every rank decodes every shard from the same bytes, its own included.
-        full = dequantize(unpack(rows, self.spec, self.shard_numel))
+        full = decode_rows(rows, self.spec, self.shard_numel,
+                           torch.empty((rows.shape[0], self.shard_numel), dtype=torch.float32, device=w.device))
         self._record_world(row.numel(), dtype.itemsize)
         if self._rec.sample_due(self.calls):
             own = full[topo.rank]

@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from .netns import EmulatedNodes, cleanup_stale
 
-__all__ = ["add_arguments", "main", "measure_link", "torchrun_command"]
+__all__ = ["add_arguments", "main", "measure_link", "run_job", "torchrun_command"]
 
 
 def torchrun_command(nodes: int, node_rank: int, ranks_per_node: int, endpoint: str, job_id: str,
@@ -62,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--bandwidth", default="1gbit", help="inter-node rate per direction (tbf), e.g. 200mbit, 5gbit")
+    p.add_argument("--latency", default=None, help="one-way inter-node delay (netem), e.g. 500us, 2ms; needs sch_netem")
     p.add_argument("--port", type=int, default=29400, help="rendezvous port on node 0")
     p.add_argument("--measure", action="store_true", help="measure the shaped link with TCP before running")
     p.add_argument("--timeout", type=float, default=3600, help="kill the job after this many seconds")
@@ -72,43 +74,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args | -- -m module args")
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.cleanup:
-        print("deleted:", " ".join(cleanup_stale()) or "nothing")
-        return 0
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        raise SystemExit("sdpq cluster: give the job after --, e.g. -- -m sdpq.train --backend fsdp2")
+def run_job(cluster: EmulatedNodes, command: list[str], ranks_per_node: int, *, port: int = 29400,
+            timeout: float = 3600, per_node: bool = False, env: dict | None = None, logs: Path | None = None,
+            grace: float = 120) -> int:
+    """Run `command` on every node of `cluster` (wrapped in torchrun unless `per_node`) and wait.
+
+    Returns the worst exit code (124 on timeout). A failing node stops the others instead of
+    leaving them hanging in a collective, and once one node has exited the others get `grace`
+    seconds to follow (a node left alone in a rendezvous or collective would wait forever).
+    With `logs`, node i's output goes to ``logs/node<i>.log`` instead of the terminal.
+    """
+    env = dict(os.environ if env is None else env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["GLOO_SOCKET_IFNAME"] = "eth0"
+    env["SDPQ_EMULATED_BANDWIDTH"] = cluster.bandwidth or "unshaped"
+    endpoint = f"{cluster.address(0)}:{port}"
+    job = f"sdpq-{os.getpid()}-{port}"
     procs: list[subprocess.Popen] = []
-
-    def _stop(signum, _frame):  # turn SIGTERM into the same clean path as Ctrl-C
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, _stop)
     try:
-        with EmulatedNodes(args.nodes, args.bandwidth) as cluster:
-            if args.measure and args.nodes > 1:
-                print(f"[sdpq cluster] link {args.bandwidth}: measured {measure_link(cluster):.0f} Mbit/s", flush=True)
-            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), GLOO_SOCKET_IFNAME="eth0",
-                       SDPQ_EMULATED_BANDWIDTH=args.bandwidth)
-            endpoint = f"{cluster.address(0)}:{args.port}"
-            job = f"sdpq-{os.getpid()}"
-            for i in range(args.nodes):
-                node_env = dict(env, NNODES=str(args.nodes), NODE_RANK=str(i), NPROC_PER_NODE=str(args.ranks_per_node),
-                                MASTER_ADDR=cluster.address(0), NODE_ADDR=cluster.address(i))
-                job_cmd = command if args.per_node else torchrun_command(
-                    args.nodes, i, args.ranks_per_node, endpoint, job, command, cluster.address(i))
-                cmd = cluster.exec_prefix(i) + job_cmd
-                print(f"[sdpq cluster] node {i} ({cluster.address(i)}): {shlex.join(cmd)}", flush=True)
-                procs.append(subprocess.Popen(cmd, env=node_env, start_new_session=True))
-            deadline = time.monotonic() + args.timeout
-            while any(p.poll() is None for p in procs):
-                if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    break  # one node failed or time is up: stop the others instead of hanging
-                time.sleep(0.2)
-            return max((p.returncode or 0) if p.returncode is not None else 124 for p in procs)
-    except KeyboardInterrupt:
-        return 130
+        for i in range(cluster.nodes):
+            node_env = dict(env, NNODES=str(cluster.nodes), NODE_RANK=str(i), NPROC_PER_NODE=str(ranks_per_node),
+                            MASTER_ADDR=cluster.address(0), NODE_ADDR=cluster.address(i))
+            job_cmd = command if per_node else torchrun_command(
+                cluster.nodes, i, ranks_per_node, endpoint, job, command, cluster.address(i))
+            cmd = cluster.exec_prefix(i) + job_cmd
+            out = None
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                out = (logs / f"node{i}.log").open("w")
+            print(f"[sdpq cluster] node {i} ({cluster.address(i)}): {shlex.join(cmd)}", file=out or sys.stdout,
+                  flush=True)
+            procs.append(subprocess.Popen(cmd, env=node_env, start_new_session=True, stdout=out, stderr=out))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break  # one node failed or time is up: stop the others instead of hanging
+            if any(p.returncode is not None for p in procs):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.2)
+        return max((p.returncode or 0) if p.returncode is not None else 124 for p in procs)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -118,6 +122,34 @@ def main(args: argparse.Namespace) -> int:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.cleanup:
+        print("deleted:", " ".join(cleanup_stale()) or "nothing")
+        return 0
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise SystemExit("sdpq cluster: give the job after --, e.g. -- -m sdpq.train --backend fsdp2")
+
+    def _stop(signum, _frame):  # turn SIGTERM into the same clean path as Ctrl-C
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, _stop)
+    try:
+        with EmulatedNodes(args.nodes, args.bandwidth, latency=args.latency) as cluster:
+            if args.measure and args.nodes > 1:
+                print(f"[sdpq cluster] link {args.bandwidth}: measured {measure_link(cluster):.0f} Mbit/s", flush=True)
+            before = cluster.link_bytes()
+            rc = run_job(cluster, command, args.ranks_per_node, port=args.port, timeout=args.timeout,
+                         per_node=args.per_node)
+            print(f"[sdpq cluster] exit {rc}; inter-node link carried {(cluster.link_bytes() - before) / 1e6:.2f} MB",
+                  flush=True)
+            return rc
+    except KeyboardInterrupt:
+        return 130
+    finally:
         signal.signal(signal.SIGTERM, old)
 
 

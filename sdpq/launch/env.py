@@ -8,7 +8,7 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without overwriting wha
 |---|---|---|---|
 | torchrun | RANK WORLD_SIZE | LOCAL_RANK LOCAL_WORLD_SIZE | MASTER_ADDR/PORT |
 | deepspeed | RANK WORLD_SIZE | LOCAL_RANK LOCAL_SIZE | MASTER_ADDR/PORT |
-| srun | SLURM_PROCID SLURM_NTASKS | SLURM_LOCALID SLURM_NTASKS_PER_NODE | first host of SLURM_JOB_NODELIST (script sets it) |
+| srun | SLURM_PROCID SLURM_NTASKS | SLURM_LOCALID SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE | first host of SLURM_JOB_NODELIST (script sets it) |
 | mpirun | mpi4py COMM_WORLD | COMM_TYPE_SHARED split | rank 0's address, broadcast over MPI |
 """
 
@@ -49,6 +49,21 @@ def _from_mpi() -> None:
                 LOCAL_WORLD_SIZE=local.Get_size(), MASTER_ADDR=addr, MASTER_PORT=29500)
 
 
+def _slurm_tasks_on_this_node(env: os._Environ | dict) -> str | None:
+    """Tasks on this node: SLURM_NTASKS_PER_NODE (set only with --ntasks-per-node) or this
+    node's entry of SLURM_TASKS_PER_NODE, a run-length list such as "4(x2),3" (always set)."""
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return env["SLURM_NTASKS_PER_NODE"].split("(")[0]
+    spec, node = env.get("SLURM_TASKS_PER_NODE"), env.get("SLURM_NODEID")
+    if not spec or node is None:
+        return None
+    counts: list[str] = []
+    for item in spec.split(","):
+        n, _, rep = item.partition("(x")
+        counts += [n] * (int(rep.rstrip(")")) if rep else 1)
+    return counts[int(node)] if int(node) < len(counts) else None
+
+
 def discover() -> JobEnv:
     """Normalise the launcher's variables into torch's; returns what was found."""
     env = os.environ
@@ -59,7 +74,7 @@ def discover() -> JobEnv:
         launcher = "torchrun"
     elif "SLURM_PROCID" in env and "RANK" not in env:
         launcher = "slurm"
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or None
+        per_node = _slurm_tasks_on_this_node(env)
         _setdefault(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env.get("SLURM_LOCALID"),
                     LOCAL_WORLD_SIZE=per_node, MASTER_PORT=29500)
     elif "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env or "PMIX_RANK" in env:

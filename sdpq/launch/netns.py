@@ -10,13 +10,17 @@ the namespace (never shaped); traffic between nodes crosses two veth hops and th
 directions are shaped with a token bucket (``tbf``) on the node's eth0 (egress) and on its
 bridge port (ingress to the node). Only addresses inside these namespaces are used.
 
-Note: the kernel here has no ``sch_netem``, so only bandwidth is shaped, not latency.
+One-way latency (``latency="2ms"``) is a ``netem`` qdisc on each node's eth0 with the ``tbf``
+beneath it. Note: the kernel of our CI machines has no ``sch_netem`` (nor ``fq``/``etf``, the
+other ways to delay packets), so there only bandwidth can be shaped; asking for latency there
+fails with an error that says so, before any job starts.
 Teardown deletes the namespaces (which deletes their veths and bridge); it runs on normal exit,
 on exceptions and on SIGINT/SIGTERM. ``cleanup_stale()`` removes leftovers of a killed run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -37,14 +41,30 @@ def _parse_rate(rate: str) -> str:
     return rate
 
 
+def _parse_delay(delay: str) -> str:
+    if not re.fullmatch(r"\d+(\.\d+)?(us|ms)", delay):
+        raise ValueError(f"latency {delay!r}; allowed: a number with us or ms (e.g. 500us, 2ms)")
+    return delay
+
+
+def _tc(ns: str, *args: str) -> None:
+    r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        kind = "netem" if "netem" in args else args[args.index("root") + 1 if "root" in args else -1]
+        hint = " (this kernel has no sch_netem: only --bandwidth can be emulated here)" if kind == "netem" else ""
+        raise RuntimeError(f"tc qdisc add {' '.join(args)} failed: {r.stderr.strip()}{hint}")
+
+
 class EmulatedNodes:
     """Context manager creating ``nodes`` network namespaces with a shaped link between them."""
 
-    def __init__(self, nodes: int, bandwidth: str | None = "1gbit", tag: str | None = None) -> None:
+    def __init__(self, nodes: int, bandwidth: str | None = "1gbit", tag: str | None = None,
+                 latency: str | None = None) -> None:
         if nodes < 1 or nodes > 200:
             raise ValueError(f"nodes={nodes}; allowed: 1..200")
         self.nodes = nodes
         self.bandwidth = _parse_rate(bandwidth) if bandwidth else None
+        self.latency = _parse_delay(latency) if latency else None
         self.tag = tag or f"{_PREFIX}{os.getpid() % 100000}"
         self.created: list[str] = []
 
@@ -88,13 +108,15 @@ class EmulatedNodes:
                 _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
             _ip("-n", sw, "link", "set", f"p{i}", "up")
-            if self.bandwidth:
-                for where, dev in ((ns, "eth0"), (sw, f"p{i}")):
-                    subprocess.run(
-                        ["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                         "rate", self.bandwidth, "burst", "256kb", "latency", "50ms"],
-                        check=True, capture_output=True, text=True,
-                    )
+            tbf = ["tbf", "rate", self.bandwidth, "burst", "256kb", "latency", "50ms"] if self.bandwidth else None
+            if self.latency:  # netem delays node i's egress; the rate limit sits beneath it
+                _tc(ns, "dev", "eth0", "root", "handle", "1:", "netem", "delay", self.latency, "limit", "100000")
+                if tbf:
+                    _tc(ns, "dev", "eth0", "parent", "1:1", "handle", "10:", *tbf)
+            elif tbf:
+                _tc(ns, "dev", "eth0", "root", *tbf)
+            if tbf:
+                _tc(sw, "dev", f"p{i}", "root", *tbf)
 
     def teardown(self) -> None:
         for name in reversed(self.created):
@@ -104,6 +126,16 @@ class EmulatedNodes:
     def exec_prefix(self, i: int) -> list[str]:
         """Command prefix that runs a program inside node i's namespace."""
         return ["ip", "netns", "exec", self.namespace(i)]
+
+    def link_bytes(self) -> int:
+        """Bytes sent across the inter-node link so far (sum of every node's eth0 tx counter:
+        each inter-node packet leaves exactly one node; traffic within a node never uses eth0)."""
+        total = 0
+        for i in range(self.nodes):
+            out = subprocess.run(["ip", "-n", self.namespace(i), "-j", "-s", "link", "show", "eth0"],
+                                 check=True, capture_output=True, text=True).stdout
+            total += json.loads(out)[0]["stats64"]["tx"]["bytes"]
+        return total
 
 
 def cleanup_stale(prefix: str = _PREFIX) -> list[str]:

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-__all__ = ["hadamard", "inverse_hadamard"]
+__all__ = ["hadamard", "inverse_hadamard", "signs"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -26,7 +26,8 @@ def _cpu_signs(block: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (block,), generator=gen, dtype=torch.int8).float().mul_(2).sub_(1)
 
 
-def _signs(block: int, seed: int, device: torch.device) -> torch.Tensor:
+def signs(block: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The +-1 diagonal D (fp32 [block]) of every rank using `seed`."""
     return _cpu_signs(block, seed).to(device)
 
 
@@ -57,12 +58,12 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
 def hadamard(x: torch.Tensor, block: int, seed: int) -> torch.Tensor:
     """fp32 ``H_B D x`` over the last dim (a multiple of ``block``), same shape as ``x``."""
     xb = _blocks(x, block)
-    y = _fwht(xb * _signs(block, seed, x.device)) * (1.0 / math.sqrt(block))
+    y = _fwht(xb * signs(block, seed, x.device)) * (1.0 / math.sqrt(block))
     return y.view(x.shape)
 
 
 def inverse_hadamard(y: torch.Tensor, block: int, seed: int) -> torch.Tensor:
     """fp32 ``D H_B y`` (H_B is symmetric and orthonormal, so it is its own inverse)."""
     yb = _blocks(y, block)
-    x = _fwht(yb) * (1.0 / math.sqrt(block)) * _signs(block, seed, y.device)
+    x = _fwht(yb) * (1.0 / math.sqrt(block)) * signs(block, seed, y.device)
     return x.view(y.shape)

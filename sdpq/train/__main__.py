@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step")
     p.add_argument("--resume", action="store_true", help="resume from --checkpoint-dir")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank at the end (0 = none)")
     p.add_argument("--out", default=None, help="write the result (JSON) here (rank 0)")
     # The deepspeed launcher appends --local_rank=N; the environment (LOCAL_RANK) says the same.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -69,6 +70,7 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         sdpq=_sdpq_block(args.config), steps=args.steps, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         lr=args.lr, warmup=args.warmup, bf16=args.bf16, seed=args.seed, data=args.data, ranks_per_node=rpn,
         checkpoint_dir=args.checkpoint_dir, save_at=args.save_at, resume=args.resume, log_every=args.log_every,
+        eval_batches=args.eval_batches,
     )
 
 

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCHERS = REPO / "launchers"
 _JOB_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+             "SLURM_TASKS_PER_NODE", "SLURM_NODEID",
              "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "OMP_NUM_THREADS", "NODE_RANK", "NODE_ADDR"]
 
 
@@ -101,6 +102,22 @@ def test_discover_slurm(clean_env):
         clean_env.setenv(k, v)
     assert launch_env.discover() == launch_env.JobEnv("slurm", 6, 8, 2, 4)
     assert os.environ["RANK"] == "6" and os.environ["MASTER_PORT"] == "29500"
+
+
+def test_discover_slurm_without_ntasks_per_node(clean_env):
+    # sbatch -n 7 over 2 nodes: SLURM_TASKS_PER_NODE="4,3"; node 1 runs 3 tasks.
+    for k, v in dict(SLURM_PROCID="5", SLURM_NTASKS="7", SLURM_LOCALID="1", SLURM_TASKS_PER_NODE="4,3",
+                     SLURM_NODEID="1", MASTER_ADDR="n0").items():
+        clean_env.setenv(k, v)
+    assert launch_env.discover() == launch_env.JobEnv("slurm", 5, 7, 1, 3)
+
+
+def test_slurm_tasks_per_node_run_length():
+    f = launch_env._slurm_tasks_on_this_node
+    assert f({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1"}) == "4"
+    assert f({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}) == "3"
+    assert f({"SLURM_NTASKS_PER_NODE": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "0"}) == "8"
+    assert f({}) is None
 
 
 def test_discover_torchrun_and_single(clean_env):

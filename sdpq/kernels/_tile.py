@@ -1,0 +1,142 @@
+"""Triton building blocks shared by the fused kernels: one register tile of whole groups.
+
+Every helper works on a tile of ``M`` rows of ``K`` contiguous elements (a row = one quantization
+group, or one Hadamard block) and repeats, operation for operation, the fp32 arithmetic of the
+PyTorch reference in ``sdpq.quant`` so that kernel and reference agree bitwise:
+
+- the scale is ``div_rn(absmax, qmax)`` rounded to the wire dtype, as ``quantize`` does;
+- values are divided with ``div_rn`` (IEEE division; a plain ``/`` may compile to an
+  approximate reciprocal on GPUs);
+- round-half-to-even is computed from ``floor`` and the exact fractional part (``floor(y + 0.5)``
+  is wrong just below 0.5, where ``y + 0.5`` rounds up to 1);
+- the Walsh-Hadamard butterflies pair the same elements in the same order as ``_fwht``.
+
+Scales are stored and loaded byte by byte: a row's scale region may start at any byte offset.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_half_even(y):
+    fl = tl.floor(y)
+    frac = y - fl  # exact for |y| < 2**23
+    odd = (fl - 2.0 * tl.floor(fl * 0.5)) != 0.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return tl.where(up, fl + 1.0, fl)
+
+
+@triton.jit
+def to_bf16_rne(v):
+    """fp32 -> bf16, round to nearest even, NaN kept (as torch; Triton's interpreter truncates)."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(v != v, 0x7FC0, rounded)
+    return (rounded & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def group_scales(v, QMAX: tl.constexpr, SCALE_FP16: tl.constexpr):
+    """v: fp32 [M, G] -> (scale fp32 [M] rounded to the wire dtype, finite mask [M])."""
+    amax = tl.max(tl.abs(v), axis=1)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    if SCALE_FP16:
+        s = s.to(tl.float16).to(tl.float32)
+    # Note: tl.max does not propagate NaN (torch.amax does): a NaN group must get a NaN scale.
+    s = tl.where(tl.max((v != v).to(tl.int32), axis=1) > 0, float("nan"), s)
+    finite = tl.abs(s) < float("inf")  # False for inf and NaN
+    return s, finite
+
+
+@triton.jit
+def quantize_tile(v, s, finite, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """fp32 [M, G] values with their group scales -> int32 codes in [-QMAX, QMAX].
+    offs: a distinct int per element (the stochastic stream's counter)."""
+    safe = tl.where(finite & (s > 0), s, 1.0)
+    y = tl.math.div_rn(v, tl.broadcast_to(safe[:, None], v.shape))
+    if STOCHASTIC:
+        y = tl.floor(y + tl.rand(seed, offs))
+    else:
+        y = round_half_even(y)
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    y = tl.where(finite[:, None], y, 0.0)
+    return y.to(tl.int32)
+
+
+@triton.jit
+def store_codes(row_ptr, codes, groups, G: tl.constexpr, BITS: tl.constexpr, mask):
+    """int32 codes [M, G] of groups `groups` [M] -> packed bytes at row_ptr (two's complement)."""
+    if BITS == 4:
+        lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], G // 2, 2]))
+        byte = (lo & 0x0F) | ((hi & 0x0F) << 4)
+        col = groups[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+    else:
+        byte = codes & 0xFF
+        col = groups[:, None] * G + tl.arange(0, G)[None, :]
+    tl.store(row_ptr + col, byte.to(tl.uint8), mask=mask[:, None])
+
+
+@triton.jit
+def load_codes(row_ptr, groups, G: tl.constexpr, BITS: tl.constexpr, mask):
+    """Packed bytes -> fp32 codes [M, G] (sign-extended)."""
+    if BITS == 4:
+        col = groups[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+        b = tl.load(row_ptr + col, mask=mask[:, None], other=0).to(tl.int32)
+        lo = ((b & 0x0F) ^ 8) - 8
+        hi = ((b >> 4) ^ 8) - 8
+        c = tl.reshape(tl.join(lo, hi), [groups.shape[0], G])
+    else:
+        col = groups[:, None] * G + tl.arange(0, G)[None, :]
+        b = tl.load(row_ptr + col, mask=mask[:, None], other=0).to(tl.int32)
+        c = ((b & 0xFF) ^ 0x80) - 0x80
+    return c.to(tl.float32)
+
+
+@triton.jit
+def store_scales(ptr, s, groups, SCALE_FP16: tl.constexpr, mask):
+    """fp32 scales [M] -> little-endian bytes of the wire dtype at ptr + group * itemsize."""
+    if SCALE_FP16:
+        bits = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        for k in tl.static_range(2):
+            tl.store(ptr + groups * 2 + k, ((bits >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        bits = s.to(tl.int32, bitcast=True)
+        for k in tl.static_range(4):
+            tl.store(ptr + groups * 4 + k, ((bits >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def load_scales(ptr, groups, SCALE_FP16: tl.constexpr, mask):
+    """Bytes of the wire dtype -> fp32 scales [M]."""
+    if SCALE_FP16:
+        bits = tl.zeros(groups.shape, tl.int32)
+        for k in tl.static_range(2):
+            bits |= tl.load(ptr + groups * 2 + k, mask=mask, other=0).to(tl.int32) << (8 * k)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    bits = tl.zeros(groups.shape, tl.int32)
+    for k in tl.static_range(4):
+        bits |= tl.load(ptr + groups * 4 + k, mask=mask, other=0).to(tl.int32) << (8 * k)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dequantize_tile(codes, s):
+    """fp32 codes [M, G] x scales [M]; non-finite scales decode to NaN (as ``dequantize``)."""
+    v = codes * s[:, None]
+    return tl.where((tl.abs(s) < float("inf"))[:, None], v, float("nan"))
+
+
+@triton.jit
+def fwht(x, B: tl.constexpr, LOG2B: tl.constexpr):
+    """Unnormalized Walsh-Hadamard transform of each row of x [M, B] (same butterflies as
+    ``sdpq.quant.hadamard._fwht``: pairs (j, j + h) of every run of 2h become (a + b, a - b))."""
+    M: tl.constexpr = x.shape[0]
+    for i in tl.static_range(LOG2B):
+        h: tl.constexpr = 1 << i
+        v = tl.permute(tl.reshape(x, [M, B // (2 * h), 2, h]), [0, 1, 3, 2])
+        a, b = tl.split(v)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [M, B])
+    return x

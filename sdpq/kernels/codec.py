@@ -1,0 +1,220 @@
+"""Fused Triton kernels of the wire codec: each reads its inputs once and writes its outputs once.
+
+    encode_rows   [difference against a reference] [randomized Hadamard] group quantize + pack
+    decode_rows   unpack + dequantize [+ add into a reference, in place]
+    reduce_rows   unpack + dequantize every received row, sum them (one row replaced by this
+                  rank's exact values) then either [inverse Hadamard] -> fp32, or re-quantize +
+                  pack for the next stage
+
+One program handles a tile of ``TILE`` contiguous elements of one row; TILE is a multiple of
+every group size and Hadamard block involved, so groups and blocks never straddle programs.
+The layouts are those of ``sdpq.quant.wire`` (codes, then little-endian scales); the math is
+that of ``sdpq.quant`` step for step (see ``_tile``), so results are bitwise equal to the
+PyTorch reference with nearest rounding. Stochastic rounding draws from Triton's Philox stream
+(``tl.rand``), not torch's generator: unbiased as the reference, not the same draws.
+
+Note: "segmented" rows. The gradient reduce-scatter quantizes rows that are concatenations of
+``segments`` input rows (row l of the wire buffer = input rows l, l + P, l + 2P, ...); the
+kernels address input row r as segment r // P of output row r % P, so no gather copy is made.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._tile import (dequantize_tile, fwht, group_scales, load_codes, load_scales, quantize_tile, store_codes,
+                    store_scales, to_bf16_rne)
+
+__all__ = ["encode_rows", "decode_rows", "reduce_rows"]
+
+
+@triton.jit
+def _encode_kernel(x_ptr, x_stride, ref_ptr, ref_stride, out_ptr, out_stride, own_ptr, signs_ptr, flag_ptr,
+                   n, tiles_per_row, P, own_row, code_bytes, seed, inv_sqrt,
+                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr, HAS_REF: tl.constexpr,
+                   HB: tl.constexpr, LOG2HB: tl.constexpr, WRITE_OWN: tl.constexpr):
+    r = tl.program_id(1)
+    t = tl.program_id(0)
+    col = t * TILE + tl.arange(0, TILE)
+    m = col < n
+    v = tl.load(x_ptr + r * x_stride + col, mask=m, other=0.0).to(tl.float32)
+    if HAS_REF:
+        v = v - tl.load(ref_ptr + r * ref_stride + col, mask=m, other=0.0).to(tl.float32)
+    if HB > 1:  # H D v per block of HB, scaled by 1/sqrt(HB) after the butterflies (as the reference)
+        v = v * tl.load(signs_ptr + (col % HB))
+        v = tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB), [TILE]) * inv_sqrt
+    seg = r // P
+    if WRITE_OWN:
+        if r % P == own_row:
+            tl.store(own_ptr + seg * n + col, v, mask=m)
+    NG: tl.constexpr = TILE // G
+    vg = tl.reshape(v, [NG, G])
+    groups = t * NG + tl.arange(0, NG)
+    gmask = groups * G < n
+    s, finite = group_scales(vg, QMAX, SCALE_FP16)
+    offs = (r * tiles_per_row + t) * TILE + tl.reshape(tl.arange(0, TILE), [NG, G])
+    codes = quantize_tile(vg, s, finite, offs, seed, QMAX, STOCHASTIC)
+    og = seg * tl.cdiv(n, G) + groups  # group index inside the (segmented) output row
+    row_ptr = out_ptr + (r % P) * out_stride
+    store_codes(row_ptr, codes, og, G, BITS, gmask)
+    store_scales(row_ptr + code_bytes, s, og, SCALE_FP16, gmask)
+    tl.atomic_add(flag_ptr, tl.sum((gmask & ~finite).to(tl.int32)))
+
+
+@triton.jit
+def _decode_kernel(buf_ptr, buf_stride, out_ptr, out_stride, n, code_bytes,
+                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_FP16: tl.constexpr,
+                   ADD: tl.constexpr):
+    r = tl.program_id(1)
+    t = tl.program_id(0)
+    NG: tl.constexpr = TILE // G
+    groups = t * NG + tl.arange(0, NG)
+    gmask = groups * G < n
+    row_ptr = buf_ptr + r * buf_stride
+    vals = dequantize_tile(load_codes(row_ptr, groups, G, BITS, gmask),
+                           load_scales(row_ptr + code_bytes, groups, SCALE_FP16, gmask))
+    col = t * TILE + tl.arange(0, TILE)
+    m = col < n
+    v = tl.reshape(vals, [TILE])
+    dst = out_ptr + r * out_stride + col
+    if ADD:
+        v = tl.load(dst, mask=m, other=0.0).to(tl.float32) + v
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(dst, to_bf16_rne(v), mask=m)
+    else:
+        tl.store(dst, v.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _reduce_kernel(buf_ptr, buf_stride, rows, own_ptr, own_row, bad_ptr, n, code_bytes,
+                   out_ptr, signs_ptr, inv_sqrt,
+                   enc_ptr, enc_stride, enc_n, enc_code_bytes, own_out_ptr, own_seg, flag_ptr, seed,
+                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_FP16: tl.constexpr,
+                   HB: tl.constexpr, LOG2HB: tl.constexpr,
+                   ENCODE: tl.constexpr, G2: tl.constexpr, BITS2: tl.constexpr, QMAX2: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, SCALE2_FP16: tl.constexpr):
+    t = tl.program_id(0)
+    NG: tl.constexpr = TILE // G
+    groups = t * NG + tl.arange(0, NG)
+    gmask = groups * G < n
+    col = t * TILE + tl.arange(0, TILE)
+    m = col < n
+    acc = tl.zeros([TILE], tl.float32)
+    for k in range(rows):  # the same order as the reference's sum over dim 0
+        if k == own_row:  # this rank's own contribution is exact, its wire row is never read
+            part = tl.load(own_ptr + col, mask=m, other=0.0)
+        else:
+            row_ptr = buf_ptr + k * buf_stride
+            part = tl.reshape(dequantize_tile(load_codes(row_ptr, groups, G, BITS, gmask),
+                                              load_scales(row_ptr + code_bytes, groups, SCALE_FP16, gmask)), [TILE])
+        acc += part
+    acc = acc + tl.load(bad_ptr)  # 0.0, or NaN when the sender side saw a non-finite group
+    if ENCODE:  # re-quantize: output row = col // enc_n (each enc_n a multiple of TILE)
+        e_row = (t * TILE) // enc_n
+        e_col = col - e_row * enc_n
+        if e_row == own_seg:
+            tl.store(own_out_ptr + e_col, acc, mask=m)
+        NG2: tl.constexpr = TILE // G2
+        vg = tl.reshape(acc, [NG2, G2])
+        groups2 = (t * TILE - e_row * enc_n) // G2 + tl.arange(0, NG2)
+        g2mask = groups2 * G2 < enc_n
+        s, finite = group_scales(vg, QMAX2, SCALE2_FP16)
+        codes = quantize_tile(vg, s, finite, tl.reshape(col, [NG2, G2]), seed, QMAX2, STOCHASTIC)
+        row_ptr = enc_ptr + e_row * enc_stride
+        store_codes(row_ptr, codes, groups2, G2, BITS2, g2mask)
+        store_scales(row_ptr + enc_code_bytes, s, groups2, SCALE2_FP16, g2mask)
+        tl.atomic_add(flag_ptr, tl.sum((g2mask & ~finite).to(tl.int32)))
+    else:
+        if HB > 1:  # D H y / sqrt(HB): butterflies, scale, then the signs (as the reference)
+            acc = tl.reshape(fwht(tl.reshape(acc, [TILE // HB, HB]), HB, LOG2HB), [TILE]) * inv_sqrt
+            acc = acc * tl.load(signs_ptr + (col % HB))
+        tl.store(out_ptr + col, acc, mask=m)
+
+
+def _tile(n: int, *sizes: int, target: int = 2048) -> int:
+    """Elements per program: a power of two, a multiple of every group/block size, ~target."""
+    lcm = max(sizes)  # all sizes are powers of two
+    return max(lcm, min(target, triton.next_power_of_2(max(n, 1))))
+
+
+def _spec_args(spec) -> dict:
+    return dict(G=spec.group_size, BITS=spec.bits, SCALE_FP16=spec.scale_dtype == torch.float16)
+
+
+def encode_rows(x: torch.Tensor, spec, *, ref: torch.Tensor | None = None, segments: int = 1,
+                hadamard: tuple[int, torch.Tensor] | None = None, own_row: int | None = None,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """x [R, n] (row stride free, unit column stride) -> (wire [R / segments, wire_bytes(segments * n)],
+    own fp32 [segments, n] = the (transformed) values of rows r with r % P == own_row, or None,
+    count of non-finite groups (int32 [1]))."""
+    R, n = x.shape
+    P = R // segments
+    if segments > 1 and n % spec.group_size:
+        raise ValueError(f"encode_rows: segmented rows need n ({n}) to be a multiple of the group size")
+    hb, signs = hadamard if hadamard is not None else (1, x.new_ones(1, dtype=torch.float32))
+    tile = _tile(n, spec.group_size, hb)
+    row_numel = segments * n
+    out = torch.empty((P, spec.wire_bytes(row_numel)), dtype=torch.uint8, device=x.device)
+    own = torch.empty((segments, n), dtype=torch.float32, device=x.device) if own_row is not None else None
+    flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+    ref_t = ref if ref is not None else x
+    grid = (triton.cdiv(n, tile), R)
+    _encode_kernel[grid](
+        x, x.stride(0), ref_t, ref_t.stride(0), out, out.stride(0), own if own is not None else flag, signs, flag,
+        n, grid[0], P, -1 if own_row is None else own_row, spec.code_bytes(row_numel), seed, 1.0 / math.sqrt(hb),
+        TILE=tile, QMAX=spec.qmax, STOCHASTIC=spec.rounding == "stochastic", HAS_REF=ref is not None,
+        HB=hb, LOG2HB=int(math.log2(hb)), WRITE_OWN=own is not None, **_spec_args(spec))
+    return out, own, flag
+
+
+def decode_rows(buf: torch.Tensor, spec, numel: int, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
+    """wire rows [R, wire_bytes(numel)] -> out [R, numel] (any float dtype; out += values if add)."""
+    R = buf.shape[0]
+    tile = _tile(numel, spec.group_size)
+    _decode_kernel[(triton.cdiv(numel, tile), R)](buf, buf.stride(0), out, out.stride(0), numel,
+                                                 spec.code_bytes(numel), TILE=tile, ADD=add, **_spec_args(spec))
+    return out
+
+
+def reduce_rows(buf: torch.Tensor, spec, numel: int, own: torch.Tensor, own_row: int, bad: torch.Tensor, *,
+                hadamard: tuple[int, torch.Tensor] | None = None, encode_spec=None, encode_rows_n: int = 0,
+                own_seg: int = -1, seed: int = 0):
+    """Sum of the decoded rows of buf [R, wire_bytes(numel)], row own_row replaced by own (fp32
+    [numel]), plus bad (fp32 [1]: 0 or NaN). Returns fp32 [numel] (inverse-Hadamard'd when
+    `hadamard`), or with `encode_spec`: (wire [numel / encode_rows_n, wire_bytes(encode_rows_n)],
+    the exact sum of row own_seg fp32 [encode_rows_n], non-finite group count)."""
+    R = buf.shape[0]
+    hb, signs = hadamard if hadamard is not None else (1, own.new_ones(1))
+    sizes = (spec.group_size, hb) + ((encode_spec.group_size,) if encode_spec else ())
+    tile = _tile(numel, *sizes)
+    if encode_spec is not None:
+        tile = min(tile, encode_rows_n & -encode_rows_n)  # a power of two dividing the row: never spans two
+        if encode_rows_n % tile or numel % encode_rows_n:
+            raise ValueError(f"reduce_rows: rows of {encode_rows_n} must tile {numel} in tiles of {tile}")
+    flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    if encode_spec is None:
+        out = torch.empty(numel, dtype=torch.float32, device=buf.device)
+        enc = own_out = out
+        e_args = dict(G2=spec.group_size, BITS2=spec.bits, QMAX2=spec.qmax, SCALE2_FP16=False)
+    else:
+        out = own
+        enc = torch.empty((numel // encode_rows_n, encode_spec.wire_bytes(encode_rows_n)), dtype=torch.uint8,
+                          device=buf.device)
+        own_out = torch.empty(encode_rows_n, dtype=torch.float32, device=buf.device)
+        e_args = dict(G2=encode_spec.group_size, BITS2=encode_spec.bits, QMAX2=encode_spec.qmax,
+                      SCALE2_FP16=encode_spec.scale_dtype == torch.float16)
+    stochastic = (encode_spec or spec).rounding == "stochastic"
+    _reduce_kernel[(triton.cdiv(numel, tile),)](
+        buf, buf.stride(0), R, own, own_row, bad, numel, spec.code_bytes(numel), out, signs, 1.0 / math.sqrt(hb),
+        enc, enc.stride(0) if encode_spec else 0, encode_rows_n or numel,
+        encode_spec.code_bytes(encode_rows_n) if encode_spec else 0, own_out, own_seg, flag, seed,
+        TILE=tile, HB=hb if encode_spec is None else 1, LOG2HB=int(math.log2(hb)) if encode_spec is None else 0,
+        ENCODE=encode_spec is not None, STOCHASTIC=stochastic, **_spec_args(spec), **e_args)
+    if encode_spec is None:
+        return out
+    return enc, own_out, flag

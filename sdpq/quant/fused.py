@@ -1,0 +1,170 @@
+"""The collectives' hot paths as whole operations: the PyTorch reference, or one fused kernel.
+
+Each function is what a collective does to a buffer between two exchanges:
+
+    encode_rows   [x - ref] [randomized Hadamard] -> group quantize -> pack
+    decode_rows   unpack -> dequantize [-> add into a reference, in place]
+    reduce_rows   unpack -> dequantize every received row (one replaced by this rank's exact
+                  values) -> sum -> [inverse Hadamard] | [re-quantize -> pack for the next stage]
+
+On CUDA tensors with Triton installed (or, the test mode, on any device with
+``SDPQ_TRITON=interpret TRITON_INTERPRET=1``) they run as one Triton kernel each (``sdpq.kernels.codec``); otherwise as the PyTorch
+composition below, which stays the reference: kernels are tested against it, bitwise with
+nearest rounding. ``SDPQ_TRITON=0`` forces the reference everywhere.
+
+Note: stochastic rounding in a kernel draws from Triton's Philox stream, seeded by one draw
+from the caller's torch generator per call; the reference draws from the generator itself.
+Both are unbiased and reproducible from the generator's state, but the draws differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .groupwise import QuantSpec, dequantize, nonfinite_groups, quantize
+from .hadamard import hadamard as _hadamard
+from .hadamard import inverse_hadamard, signs
+from .wire import pack, unpack
+
+__all__ = ["encode_rows", "decode_rows", "reduce_rows", "poison_scales_", "wire_nonfinite", "uses_kernels"]
+
+Hadamard = tuple[int, int]  # (block, seed)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_mode() -> str:
+    """'off', 'cuda' (kernels for CUDA tensors) or 'interpret' (kernels for every tensor)."""
+    want = os.environ.get("SDPQ_TRITON", "auto")
+    if want == "0":
+        return "off"
+    if want == "interpret" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("SDPQ_TRITON=interpret: also set TRITON_INTERPRET=1 in the environment "
+                           "(Triton reads it when it is imported, which may already have happened)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "off"
+    return "interpret" if want == "interpret" else "cuda"
+
+
+def uses_kernels(t: torch.Tensor) -> bool:
+    mode = _triton_mode()
+    return mode == "interpret" or (mode == "cuda" and t.is_cuda)
+
+
+def _seed(generator: torch.Generator | None) -> int:
+    """One Philox seed per call from the caller's generator (reproducible from its state)."""
+    if generator is None:
+        return 0
+    if generator.device.type == "cuda":  # advance the offset instead of drawing: no host sync
+        off = generator.get_offset()
+        generator.set_offset(off + 4)
+        return (generator.initial_seed() * 1_000_003 + off) % (2**31 - 1)
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+
+
+def _kernel_signs(h: Hadamard | None, device: torch.device) -> tuple[int, torch.Tensor] | None:
+    return None if h is None else (h[0], signs(h[0], h[1], device))
+
+
+def encode_rows(x: torch.Tensor, spec: QuantSpec, *, ref: torch.Tensor | None = None, segments: int = 1,
+                hadamard: Hadamard | None = None, own_row: int | None = None,
+                generator: torch.Generator | None = None):
+    """x [R, n] -> (wire uint8 [R / segments, spec.wire_bytes(segments * n)], own, nonfinite).
+
+    Values are ``x - ref`` (fp32) when `ref` is given, then ``H D`` when `hadamard` = (block,
+    seed). Wire row p holds input rows p, p + P, p + 2P, ... (P = R / segments) one after the
+    other. own: fp32 [segments, n], the values of the rows r with r % P == own_row (None without
+    own_row). nonfinite: 0-dim bool tensor, any group held inf/NaN.
+    """
+    R, n = x.shape
+    if R % segments:
+        raise ValueError(f"encode_rows: {R} rows do not split into {segments} segments")
+    if uses_kernels(x):
+        from ..kernels import codec
+
+        wire, own, flag = codec.encode_rows(x, spec, ref=ref, segments=segments,
+                                            hadamard=_kernel_signs(hadamard, x.device), own_row=own_row,
+                                            seed=_seed(generator))
+        return wire, own, flag[0] > 0
+    return _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator)
+
+
+def _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator):
+    R, n = x.shape
+    v = x.float() - ref.float() if ref is not None else x.float()
+    if hadamard is not None:
+        v = _hadamard(v, *hadamard)
+    P = R // segments
+    rows = v.view(segments, P, n)
+    own = rows[:, own_row] if own_row is not None else None
+    q = quantize(rows.transpose(0, 1).reshape(P, segments * n), spec, generator)
+    return pack(q, spec), own, nonfinite_groups(q).any()
+
+
+def decode_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
+    """wire [R, wire_bytes(numel)] -> out [R, numel] (its dtype); ``out += values`` (fp32 math) if add."""
+    if uses_kernels(buf):
+        from ..kernels import codec
+
+        return codec.decode_rows(buf, spec, numel, out, add=add)
+    return _decode_rows_ref(buf, spec, numel, out, add)
+
+
+def _decode_rows_ref(buf, spec, numel, out, add):
+    vals = dequantize(unpack(buf, spec, numel))
+    out.copy_(out.float() + vals if add else vals)
+    return out
+
+
+def reduce_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, own: torch.Tensor, own_row: int,
+                bad: torch.Tensor, *, hadamard: Hadamard | None = None, encode_spec: QuantSpec | None = None,
+                encode_numel: int = 0, own_seg: int = -1, generator: torch.Generator | None = None):
+    """Sum of the decoded rows of buf [R, wire_bytes(numel)], row `own_row` replaced by `own`
+    (fp32 [numel]), plus NaN if `bad` (0-dim bool) -> fp32 [numel], inverse-Hadamard'd with
+    `hadamard`. With `encode_spec` the sum is instead split into rows of `encode_numel` and
+    re-encoded: returns (wire [numel / encode_numel, wire bytes], fp32 copy of row `own_seg`,
+    nonfinite)."""
+    bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
+    if uses_kernels(buf):
+        from ..kernels import codec
+
+        res = codec.reduce_rows(buf, spec, numel, own.reshape(-1), own_row, bad_f, hadamard=_kernel_signs(hadamard, buf.device),
+                                encode_spec=encode_spec, encode_rows_n=encode_numel, own_seg=own_seg,
+                                seed=_seed(generator))
+        if encode_spec is None:
+            return res
+        wire, own_out, flag = res
+        return wire, own_out, flag[0] > 0
+    return _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg,
+                            generator)
+
+
+def _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator):
+    parts = dequantize(unpack(buf, spec, numel))
+    parts[own_row] = own.reshape(-1)
+    y = parts.sum(0) + bad_f
+    if encode_spec is None:
+        return inverse_hadamard(y, *hadamard) if hadamard is not None else y
+    rows = y.view(-1, encode_numel)
+    q = quantize(rows, encode_spec, generator)
+    return pack(q, encode_spec), rows[own_seg].clone(), nonfinite_groups(q).any()
+
+
+def wire_nonfinite(wire: torch.Tensor, spec: QuantSpec, numel: int) -> torch.Tensor:
+    """0-dim bool: any scale of the wire rows [R, wire_bytes(numel)] is inf/NaN (reads scales only)."""
+    region = wire[:, spec.code_bytes(numel):].contiguous()  # may start at an odd offset: copy to align
+    return ~torch.isfinite(region.view(spec.scale_dtype)).all()
+
+
+def poison_scales_(wire: torch.Tensor, spec: QuantSpec, numel: int, bad: torch.Tensor) -> torch.Tensor:
+    """Every scale of every row NaN when `bad` (0-dim bool): a receiver then decodes NaN
+    everywhere. Touches only the scale bytes (no host sync, no branch on data)."""
+    cb = spec.code_bytes(numel)
+    nan = torch.full((spec.groups(numel),), float("nan"), dtype=spec.scale_dtype, device=wire.device)
+    region = wire[:, cb:]
+    region.copy_(torch.where(bad, nan.view(torch.uint8).expand_as(region), region))
+    return wire

@@ -1,0 +1,137 @@
+"""Fused Triton codec kernels against the PyTorch reference (sdpq.quant.fused).
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, numpy underneath);
+with one they are compiled and run on CUDA tensors. Nearest rounding must agree bitwise (same
+fp32 operations in the same order); stochastic rounding draws from a different stream, so it is
+held to the quantizer's bound (< one step per element) and to unbiasedness.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it before any import
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+from sdpq.kernels import codec  # noqa: E402
+from sdpq.quant import QuantSpec  # noqa: E402
+from sdpq.quant.fused import _decode_rows_ref, _encode_rows_ref, _kernel_signs, _reduce_rows_ref  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise-equal values (NaN == NaN; -0.0 == 0.0 as the reference's sums may flip zero signs)."""
+    return a.shape == b.shape and torch.equal(a.float().nan_to_num(123.0), b.float().nan_to_num(123.0))
+
+
+SPECS = [QuantSpec(4, 32), QuantSpec(8, 32), QuantSpec(4, 128, scale_dtype=torch.float16),
+         QuantSpec(8, 128, scale_dtype=torch.float16), QuantSpec(4, 2048)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("n", [1, 100, 4096 + 36])
+def test_encode_decode_bitwise(spec, n):
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(3, n, generator=g) * torch.logspace(-3, 3, n)).to(DEV)
+    x[1, : n // 2] = 0  # all-zero groups
+    ref = torch.randn(3, n, generator=g).to(DEV)
+    for r in (None, ref):
+        wire, own, flag = codec.encode_rows(x, spec, ref=r)
+        want, _, bad = _encode_rows_ref(x, spec, r, 1, None, None, None)
+        assert torch.equal(wire, want) and own is None and int(flag[0]) == 0 and not bool(bad)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = codec.decode_rows(want, spec, n, torch.empty(3, n, dtype=dtype, device=DEV))
+        assert _same(got, _decode_rows_ref(want, spec, n, torch.empty(3, n, dtype=dtype, device=DEV), False))
+        base = torch.randn(3, n, generator=g).to(DEV, dtype)
+        got = codec.decode_rows(want, spec, n, base.clone(), add=True)
+        assert _same(got, _decode_rows_ref(want, spec, n, base.clone(), True))
+
+
+def test_encode_bf16_input_and_strided_rows():
+    spec = QuantSpec(4, 64)
+    x = torch.randn(4, 700, device=DEV).to(torch.bfloat16)[:, 50:650]  # row stride 700, not contiguous
+    wire, _, _ = codec.encode_rows(x, spec)
+    assert torch.equal(wire, _encode_rows_ref(x, spec, None, 1, None, None, None)[0])
+
+
+@pytest.mark.parametrize("segments,own_row", [(1, None), (2, 1), (3, 0)])
+@pytest.mark.parametrize("block", [32, 128])
+def test_segmented_hadamard_encode_bitwise(segments, own_row, block):
+    spec = QuantSpec(8, 128, rounding="nearest")
+    P, n = 2, 512
+    x = torch.randn(segments * P, n + 64, device=DEV)[:, 64:]  # a column slice, like one pipeline slice
+    x[0, 7] = 300.0  # an outlier for the transform to spread
+    wire, own, _ = codec.encode_rows(x, spec, segments=segments, hadamard=_kernel_signs((block, 5), x.device),
+                                     own_row=own_row)
+    want, want_own, _ = _encode_rows_ref(x, spec, None, segments, (block, 5), own_row, None)
+    assert torch.equal(wire, want)
+    assert (own is None) == (want_own is None) and (own is None or _same(own, want_own))
+
+
+def test_nonfinite_groups_match_reference():
+    spec = QuantSpec(4, 32)
+    x = torch.randn(2, 256, device=DEV)
+    x[0, 3], x[1, 200] = float("inf"), float("nan")
+    wire, _, flag = codec.encode_rows(x, spec)
+    want, _, bad = _encode_rows_ref(x, spec, None, 1, None, None, None)
+    assert int(flag[0]) == 2 and bool(bad)
+    cb = spec.code_bytes(256)
+    assert torch.equal(wire[:, :cb], want[:, :cb])  # codes of the bad groups are zeroed alike
+    got = codec.decode_rows(wire, spec, 256, torch.empty(2, 256, device=DEV))
+    assert _same(got, _decode_rows_ref(want, spec, 256, torch.empty(2, 256, device=DEV), False))
+    assert got[0, :32].isnan().all() and got[1, 192:224].isnan().all() and got[0, 32:].isfinite().all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_stochastic_within_one_step_and_unbiased(bits):
+    spec = QuantSpec(bits, 64, rounding="stochastic")
+    x = torch.randn(1, 256, device=DEV)
+    scale = x.view(4, 64).abs().amax(1, keepdim=True) / spec.qmax
+    draws = []
+    for seed in range(300):
+        wire, _, _ = codec.encode_rows(x, spec, seed=seed)
+        draws.append(codec.decode_rows(wire, spec, 256, torch.empty(1, 256, device=DEV)))
+    d = torch.stack(draws).view(300, 4, 64)
+    assert ((d - x.view(4, 64)).abs() < scale).all()  # floor(y + u): strictly within one step
+    # Mean of 300 draws: each has variance <= s^2 / 4, so 5 sigma = 5 * s / (2 sqrt(300)).
+    assert ((d.mean(0) - x.view(4, 64)).abs() <= 5 * scale / (2 * math.sqrt(300))).all()
+    assert len({tuple(t.flatten().tolist()) for t in draws[:5]}) == 5  # seeds give different draws
+
+
+def _wire_rows(R, numel, spec, seed):
+    g = torch.Generator().manual_seed(seed)
+    return _encode_rows_ref(torch.randn(R, numel, generator=g).to(DEV), spec, None, 1, None, None, None)[0]
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("block", [None, 128])
+def test_reduce_inverse_hadamard_bitwise(R, block):
+    spec, numel = QuantSpec(4, 128), 1024
+    buf = _wire_rows(R, numel, spec, R)
+    own = torch.randn(numel, device=DEV)
+    had = (block, 3) if block else None
+    for bad in (False, True):
+        b = torch.tensor(float("nan") if bad else 0.0, device=DEV).reshape(1)
+        got = codec.reduce_rows(buf, spec, numel, own, 1, b, hadamard=_kernel_signs(had, buf.device))
+        want = _reduce_rows_ref(buf, spec, numel, own, 1, b, had, None, 0, -1, None)
+        assert _same(got, want)
+        assert got.isnan().all() == bad
+
+
+@pytest.mark.parametrize("R,nodes", [(2, 2), (4, 2), (2, 4)])
+def test_reduce_then_encode_bitwise(R, nodes):
+    spec_in = QuantSpec(8, 128)
+    spec_out = QuantSpec(4, 128, scale_dtype=torch.float16)
+    S = 512
+    buf = _wire_rows(R, nodes * S, spec_in, 7)
+    own = torch.randn(nodes * S, device=DEV)
+    zero = torch.zeros(1, device=DEV)
+    wire, own_out, flag = codec.reduce_rows(buf, spec_in, nodes * S, own, 0, zero, encode_spec=spec_out,
+                                            encode_rows_n=S, own_seg=nodes - 1)
+    want, want_own, bad = _reduce_rows_ref(buf, spec_in, nodes * S, own, 0, zero, None, spec_out, S, nodes - 1, None)
+    assert torch.equal(wire, want) and _same(own_out, want_own) and int(flag[0]) == 0 and not bool(bad)
