@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,8 @@ from sdpq.launch.netns import EmulatedNodes  # noqa: E402
 
 _CONF = """\
 ClusterName=sdpqemu
-SlurmctldHost=ctl({ctl})
+SlurmctldHost={host}({ctl})
+MailProg=/bin/true
 AuthType=auth/munge
 CredType=cred/munge
 SlurmUser=root
@@ -89,21 +91,25 @@ def main(argv: list[str] | None = None) -> int:
             names = [f"node{i}" for i in range(args.nodes)]
             node_lines = "\n".join(f"NodeName={n} NodeAddr={cluster.address(i)} CPUs={os.cpu_count()} State=UNKNOWN"
                                    for i, n in enumerate(names))
-            (work / "ctld").mkdir()
+            for d in ["ctld"] + [f"slurmd-{n}" for n in names]:
+                (work / d).mkdir()
             conf = work / "slurm.conf"
-            conf.write_text(_CONF.format(ctl=cluster.address(0), d=work, nodes=node_lines))
+            # All namespaces share the machine's hostname: slurmctld must find itself under it.
+            conf.write_text(_CONF.format(host=socket.gethostname(), ctl=cluster.address(0), d=work, nodes=node_lines))
             # srun and MASTER_ADDR (the first host of the job) resolve node names.
             Path("/etc/hosts").write_text(hosts_backup + "".join(
                 f"{cluster.address(i)} {n}\n" for i, n in enumerate(names)))
             env = dict(os.environ, SLURM_CONF=str(conf))
             Path("/run/munge").mkdir(exist_ok=True)
             subprocess.run(["munged", "--force"], check=False, capture_output=True)  # idempotent if running
-            ns0 = cluster.exec_prefix(0)
+            # Note: nsenter --net, not `ip netns exec`: the latter mounts a fresh /sys without the
+            # cgroup hierarchies that slurmd needs.
+            ns = [["nsenter", f"--net=/run/netns/{cluster.namespace(i)}"] for i in range(args.nodes)]
+            ns0 = ns[0]
             procs.append(subprocess.Popen(ns0 + ["slurmctld", "-D", "-i"], env=env, start_new_session=True))
             time.sleep(2)
             for i, n in enumerate(names):
-                procs.append(subprocess.Popen(cluster.exec_prefix(i) + ["slurmd", "-D", "-N", n], env=env,
-                                              start_new_session=True))
+                procs.append(subprocess.Popen(ns[i] + ["slurmd", "-D", "-N", n], env=env, start_new_session=True))
             _wait_nodes_idle(env, ns0, args.nodes)
             # The ranks talk over each namespace's eth0 (the hostname resolves outside them).
             job_env = dict(env, GLOO_SOCKET_IFNAME="eth0", SDPQ_REPO=str(REPO), OMP_NUM_THREADS="1")
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = ns0 + ["sbatch", "--wait", f"--nodes={args.nodes}", f"--ntasks-per-node={args.tasks_per_node}",
                          "--cpus-per-task=1", f"--output={out}", f"--chdir={REPO}",
                          str(REPO / "launchers" / "slurm.sbatch"), *train_args]
-            print("[slurm_emulated]", " ".join(cmd[4:]), flush=True)
+            print("[slurm_emulated]", " ".join(cmd[len(ns0):]), flush=True)
             rc = subprocess.run(cmd, env=job_env, timeout=args.timeout).returncode
             print(out.read_text() if out.exists() else "(no job output)", flush=True)
             print(f"[slurm_emulated] sbatch exit {rc}", flush=True)

@@ -1,4 +1,4 @@
-"""The ``sdpq`` command line: benchmarks, config tools and (later) the demo.
+"""The ``sdpq`` command line: the demo, benchmarks, config tools and the emulated cluster.
 
 Sub-commands are registered from the modules that implement them, each exposing
 ``add_arguments(parser)`` and ``run(args) -> list[dict]`` (benchmarks) so this file stays a
@@ -86,18 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--check", metavar="DS_CONFIG", help="validate the 'sdpq' block of a DeepSpeed JSON config")
     cfg.set_defaults(func=_run_config)
 
-    if _module_available("sdpq.demo"):
-        from . import demo
+    from . import demo
 
-        d = sub.add_parser("demo", help="the end-to-end demo (4 CPU ranks, 2 simulated nodes)")
-        demo.add_arguments(d)
-        d.set_defaults(func=demo.main)
-    else:
-        # Until the full demo exists, the main job is the quantization benchmark.
-        d = sub.add_parser("demo", help="(for now) runs `sdpq bench quant`")
-        d.add_argument("--json", action="store_true")
-        importlib.import_module("sdpq.bench.quant").add_arguments(d)
-        d.set_defaults(func=_run_bench, bench="quant")
+    d = sub.add_parser("demo", help="the end-to-end demo (4 CPU ranks, 2 simulated nodes)")
+    demo.add_arguments(d)
+    d.set_defaults(func=demo.main)
     return parser
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from sdpq.integrations._ds_groups import reset_deepspeed_groups  # shared with the DeepSpeed tests
+
 from .cpu_kernels import CPUQuantizerOps
 
 __all__ = [
@@ -114,18 +116,3 @@ def simulate_nodes(ranks_per_node: int):
             os.environ.pop("LOCAL_SIZE", None)
         else:
             os.environ["LOCAL_SIZE"] = saved
-
-
-def reset_deepspeed_groups() -> None:
-    """Forget the process groups DeepSpeed caches in module globals (``deepspeed.utils.groups``),
-    so that a second engine in the same process (a later benchmark arm, a reused test worker)
-    builds its hpZ and all-to-all groups afresh instead of using destroyed or stale ones."""
-    import deepspeed.utils.groups as G
-
-    for n in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
-              "_TENSOR_MODEL_PARALLEL_GROUP", "mpu", "mesh_device"):
-        if hasattr(G, n):
-            setattr(G, n, None)
-    for n in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-              "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
-        getattr(G, n, {}).clear()

@@ -2,7 +2,8 @@
 
 GB/s counts the bytes of the primitive's input tensor; the copy baseline moves the same
 tensor (``dst.copy_(src)``) in the same run, so ``vs_copy`` = gbps / copy_gbps is the figure
-that carries over between machines.
+that carries over between machines. The fused hot paths of the collectives follow
+(``quant_fused``: Triton kernel and PyTorch reference side by side, counted by memory traffic).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from ..quant import QuantSpec, decode, encode, hadamard, inverse_hadamard
 from .report import default_device, seconds_per_call
 
-COLUMNS = ["primitive", "numel", "dtype", "device", "gbps", "copy_gbps", "vs_copy"]
+COLUMNS = ["primitive", "numel", "dtype", "device", "gbps", "copy_gbps", "vs_copy", "speedup_vs_pytorch"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,4 +76,6 @@ def run(args: argparse.Namespace) -> list[dict]:
             gbps = nbytes / t / 1e9
             records.append(dict(primitive=name, numel=n, dtype=args.dtype, device=device.type,
                                 gbps=gbps, copy_gbps=copy_gbps, vs_copy=gbps / copy_gbps))
-    return records
+    from . import quant_fused
+
+    return records + quant_fused.run(sizes, device, lambda f: seconds_per_call(f, args.min_run_time), args.only)

@@ -31,6 +31,7 @@ from ..quant.fused import decode_rows, encode_rows, poison_scales_, reduce_rows
 from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
 from ._exchange import all_to_all_rows, reduce_scatter_flat
+from ._rng import generator_state, restore_generator
 from .stats import CommStats, Recorder
 from .topology import Topology
 
@@ -111,11 +112,23 @@ class GradReduceScatter:
     __call__ = reduce_scatter
 
     def state_dict(self) -> dict:
-        return {"residual": None if self.residual is None else self.residual.clone()}
+        """This rank's state for checkpoints: the error-feedback residual, the rounding stream
+        and the call count, everything a resumed run needs to continue bitwise."""
+        # Note: the generator is created now if it is not yet (same seed as at its first use), so
+        # that what is saved does not depend on whether this rank has rounded anything yet.
+        gen = self._generator(self.device) if self.config.mode == "two_level" else None
+        return {"residual": None if self.residual is None else self.residual.clone(),
+                "generator": generator_state(gen), "calls": self.calls}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a saved state; without "generator" or "calls" (older checkpoints) those stay
+        as they are."""
         r = state.get("residual")
         self.residual = None if r is None else r.to(self.device).clone()
+        if "calls" in state:
+            self.calls = int(state["calls"])
+        if "generator" in state:
+            self._gen = restore_generator(self._gen, state["generator"], self.device)
 
     def reset_error_feedback(self) -> None:
         self.residual = None

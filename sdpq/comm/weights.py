@@ -27,6 +27,7 @@ from ..config import StatsConfig, WeightsConfig
 from ..quant import QuantSpec
 from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
 from ._exchange import all_gather_rows
+from ._rng import generator_state, restore_generator
 from .stats import CommStats, Recorder
 from .topology import Topology
 
@@ -130,25 +131,50 @@ class WeightGather:
         return self.reference[self.topology.node].float()
 
     def state_dict(self) -> dict:
-        """The reference state (per rank) for checkpoints: restore it with load_state_dict."""
+        """This rank's state for checkpoints (restore it with load_state_dict): the reference and
+        its version, the pending refresh (dirty, force_exact), the rounding stream and the call
+        count, everything a resumed run needs to continue bitwise."""
+        # Note: the generator is created now if it is not yet (same seed as at its first use), so
+        # that what is saved does not depend on whether this rank has rounded anything yet.
+        gen = self._generator(self.device) if self.config.mode != "exact" else None
         return {
             "mode": self.config.mode,
             "layout": self.topology.layout,
             "numel": self.numel,
             "version": self.version,
             "reference": None if self.reference is None else self.reference.detach().clone(),
+            "generator": generator_state(gen),
+            "force_exact": self._force_exact,
+            "calls": self.calls,
+            "dirty": self.dirty,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a saved reference; the next gather refreshes (the weights were loaded too) with
-        a difference against the restored reference, not an exact exchange."""
+        """Restore a saved state. A state without "dirty" (older checkpoints, or a caller that
+        restored the weights too) leaves the gather dirty: the next gather refreshes with a
+        difference against the restored reference, not an exact exchange. Without "generator",
+        "force_exact" or "calls" those stay as they are."""
         for key, mine in (("mode", self.config.mode), ("layout", self.topology.layout), ("numel", self.numel)):
             if state.get(key) != mine:
                 raise ValueError(f"WeightGather state has {key}={state.get(key)!r}, this gather has {mine!r}")
         ref = state["reference"]
         self.reference = None if ref is None else ref.to(self.device, self.reference_dtype).clone()
         self.version = int(state["version"])
-        self.dirty = True
+        self.dirty = bool(state.get("dirty", True))
+        if "force_exact" in state:
+            self._force_exact = bool(state["force_exact"])
+        if "calls" in state:
+            self.calls = int(state["calls"])
+        if "generator" in state:
+            self._gen = restore_generator(self._gen, state["generator"], self.device)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        """The stochastic-rounding stream (None with nearest rounding), created at first use."""
+        if self.spec.rounding != "stochastic":
+            return None
+        if self._gen is None:
+            self._gen = torch.Generator(device=device).manual_seed(0x5D9 + self.topology.rank)
+        return self._gen
 
     # ------------------------------------------------------------------ diff mode
 
@@ -188,11 +214,9 @@ class WeightGather:
 
     def _exchange_diff(self, w: torch.Tensor) -> None:
         topo = self.topology
-        if self.spec.rounding == "stochastic" and self._gen is None:
-            self._gen = torch.Generator(device=w.device).manual_seed(0x5D9 + topo.rank)
         # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
         row, _, _ = encode_rows(w.view(1, -1), self.spec, ref=self.reference[topo.node].view(1, -1),
-                                generator=self._gen)
+                                generator=self._generator(w.device))
         rows, _ = all_gather_rows(row.view(-1), topo.inter_group)
         # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
         decode_rows(rows, self.spec, self.shard_numel, self.reference, add=True)
@@ -249,9 +273,7 @@ class WeightGather:
 
     def _gather_direct(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         topo = self.topology
-        if self.spec.rounding == "stochastic" and self._gen is None:
-            self._gen = torch.Generator(device=w.device).manual_seed(0x5D9 + topo.rank)
-        row, _, _ = encode_rows(w.view(1, -1), self.spec, generator=self._gen)
+        row, _, _ = encode_rows(w.view(1, -1), self.spec, generator=self._generator(w.device))
         rows, _ = all_gather_rows(row.view(-1), topo.world_group)
         # Note: every rank decodes every shard from the same bytes, its own included.
         full = decode_rows(rows, self.spec, self.shard_numel,

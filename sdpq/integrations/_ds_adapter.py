@@ -36,20 +36,16 @@ import contextvars
 import dataclasses
 import functools
 import os
-import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..comm import GradReduceScatter, Topology, WeightGather
 from ..comm import stats as _stats
 from ..config import Config
+from ._ds_checkpoint import STATE_FILE, CheckpointMixin
 
 __all__ = ["DeepSpeedAdapter", "STATE_FILE"]
-
-STATE_FILE = "sdpq_rank{rank:05d}.pt"
-_FORMAT = 1
 
 # (adapter, bucket key) while an adapter's __avg_scatter_grads runs; read by the dispatcher.
 _ACTIVE_BUCKET: contextvars.ContextVar = contextvars.ContextVar("sdpq_ds_bucket", default=None)
@@ -94,11 +90,12 @@ class _Done:
         self.complete = True
 
 
-class DeepSpeedAdapter:
+class DeepSpeedAdapter(CheckpointMixin):
     """sdpq's state for one ZeRO-3 engine (``engine.sdpq``): topology, the per-parameter weight
     gathers, the per-bucket gradient reduce-scatters, and the installed hooks.
 
     Built by ``sdpq.deepspeed.initialize`` on every rank (collective: it creates the node groups).
+    Its checkpoint methods (``state_dict``, ``load_state_dict``) are in _ds_checkpoint.py.
     """
 
     def __init__(self, engine, config: Config, ranks_per_node: int, recorder: _stats.CommStats | None = None):
@@ -138,54 +135,6 @@ class DeepSpeedAdapter:
     def summary(self) -> tuple[str, dict]:
         """(table, dict) of the communication statistics this engine's collectives recorded."""
         return self.recorder.summary()
-
-    def state_dict(self) -> dict:
-        """Per-rank sdpq state: weight references (+ dirty flags), gradient error feedback and
-        rounding streams. Saved next to DeepSpeed's files by engine.save_checkpoint."""
-        def gen_state(obj):
-            g = getattr(obj, "_gen", None)
-            return None if g is None else g.get_state()
-
-        weights = {}
-        for i, wg in self.weights.items():
-            weights[self._index[i]] = dict(wg.state_dict(), dirty=wg.dirty, calls=wg.calls, generator=gen_state(wg),
-                                           force_exact=bool(getattr(wg, "_force_exact", False)))
-        grads = {}
-        for (ids, numels), g in self.grads.items():
-            grads[(tuple(self._index[i] for i in ids), numels)] = dict(g.state_dict(), calls=g.calls,
-                                                                       generator=gen_state(g))
-        return {"format": _FORMAT, "layout": self.topology.layout, "rank": self.topology.rank,
-                "config": self.config.to_dict(), "num_params": len(self._ds_id), "weights": weights, "grads": grads}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output; raises ValueError if it does not fit this run.
-        Note: the rounding streams and `_force_exact` are restored through WeightGather's and
-        GradReduceScatter's private attributes (their state_dicts do not carry them yet)."""
-        problem = self._incompatible(state)
-        if problem:
-            raise ValueError(f"sdpq state does not fit this run: {problem}")
-        restored = set()
-        for n, s in state["weights"].items():
-            wg = self._weight_gather(self.params[self._ds_id[n]])
-            wg.load_state_dict(s)
-            wg.dirty = bool(s["dirty"])
-            wg._force_exact = bool(s.get("force_exact", False))
-            wg.calls = int(s.get("calls", 0))
-            wg._gen = _generator(s.get("generator"))
-            restored.add(self._ds_id[n])
-        # References this process built that the checkpoint does not know: resync them.
-        self.mark_weights_dirty([self.params[i] for i in self.weights if i not in restored], resync=True)
-        keys = set()
-        for (idx, numels), s in state["grads"].items():
-            key = (tuple(self._ds_id[n] for n in idx), tuple(numels))
-            grs = self._grad_rs(key)
-            grs.load_state_dict(s)
-            grs.calls = int(s.get("calls", 0))
-            grs._gen = _generator(s.get("generator"))
-            keys.add(key)
-        for key, grs in self.grads.items():
-            if key not in keys:
-                grs.reset_error_feedback()
 
     def remove(self) -> None:
         """Undo every hook (DeepSpeed behaves as if sdpq was never installed). Idempotent."""
@@ -319,8 +268,11 @@ class DeepSpeedAdapter:
         if grs is None:
             N = self.topology.world_size
             numel = N * sum(-(-n // N) for n in key[1])
-            grs = GradReduceScatter(numel, self.topology, self.config.gradients, stats=self.config.stats,
-                                    recorder=self.recorder)
+            # The gradients' device: residuals and rounding generators restored from a checkpoint
+            # must live where the gradients are (CUDA on a GPU cluster).
+            device = self.params[key[0][0]].ds_tensor.device
+            grs = GradReduceScatter(numel, self.topology, self.config.gradients, device=device,
+                                    stats=self.config.stats, recorder=self.recorder)
             self.grads[key] = grs
         return grs
 
@@ -387,9 +339,6 @@ class DeepSpeedAdapter:
 
     # ------------------------------------------------------------------ engine: checkpoints, teardown
 
-    def _state_path(self, ckpt_dir: str) -> str:
-        return os.path.join(ckpt_dir, STATE_FILE.format(rank=self.topology.rank))
-
     def _install_engine(self) -> None:
         eng = self.engine
         orig_save, orig_load = eng.save_checkpoint, eng.load_checkpoint
@@ -424,61 +373,12 @@ class DeepSpeedAdapter:
         self._undo.append(undo)
         eng.sdpq = self
 
-    def _after_load(self, ckpt_dir: str) -> None:
-        """The partitions were replaced: restore the references saved with them (bitwise resume)
-        or, without a usable saved state, resync every reference exactly. Then re-gather the
-        parameters DeepSpeed keeps gathered so they match the restored references."""
-        path = self._state_path(ckpt_dir)
-        state, problem = None, None
-        if os.path.isfile(path):
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            problem = self._incompatible(state)
-        else:
-            problem = f"no {os.path.basename(path)} in {ckpt_dir} (not saved by sdpq)"
-        # Every rank must take the same decision (each reads its own file).
-        ok = torch.tensor([0 if problem else 1], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item():
-            self.load_state_dict(state)
-        else:
-            if self.topology.rank == 0:
-                warnings.warn(f"sdpq: checkpoint {ckpt_dir}: {problem or 'another rank cannot use its sdpq state'}; "
-                              "the weight references resync exactly", RuntimeWarning, stacklevel=4)
-            for grs in self.grads.values():
-                grs.reset_error_feedback()
-            self.mark_weights_dirty(resync=True)
+    def _regather_available(self) -> None:
+        """Re-gather the parameters DeepSpeed keeps gathered (after their references changed)."""
         status = _status()
         for p in sorted(self.params.values(), key=lambda p: p.ds_id):
             if p.ds_status == status.AVAILABLE:
                 self._gather_into(p)
-
-    def _incompatible(self, state: dict) -> str | None:
-        if state.get("format") != _FORMAT:
-            return f"state format {state.get('format')!r}, expected {_FORMAT}"
-        if state.get("layout") != self.topology.layout or state.get("rank") != self.topology.rank:
-            return f"saved on rank {state.get('rank')} of layout {state.get('layout')}, loading on rank " \
-                   f"{self.topology.rank} of {self.topology.layout}"
-        saved_w, mine_w = state.get("config", {}).get("weights"), self.config.weights.to_dict()
-        for k in ("mode", "bits", "group_size"):
-            if (saved_w or {}).get(k) != mine_w[k]:
-                return f"sdpq.weights.{k} was {(saved_w or {}).get(k)!r}, now {mine_w[k]!r}"
-        if state.get("num_params") != len(self._ds_id):
-            return f"saved for {state.get('num_params')} parameters, this model has {len(self._ds_id)}"
-        for n, s in state.get("weights", {}).items():
-            if s.get("numel") != self.params[self._ds_id[n]].ds_numel:
-                return f"parameter #{n} has {self.params[self._ds_id[n]].ds_numel} elements, saved {s.get('numel')}"
-        for (idx, numels), _ in state.get("grads", {}).items():
-            if tuple(self.params[self._ds_id[n]].ds_numel for n in idx) != tuple(numels):
-                return "a gradient bucket does not match this model"
-        return None
-
-
-def _generator(state):
-    if state is None:
-        return None
-    g = torch.Generator()
-    g.set_state(state)
-    return g
 
 
 def with_suppress(fn) -> None:

@@ -34,28 +34,26 @@ count what sdpq sends; the replicate all-reduce is not in them.
 
 Checkpoints (torch.distributed.checkpoint): put `state_dict(model)` next to the model and
 optimizer state; after `dcp.load`, pass the loaded dict to `load_state_dict(model, ...)`.
+
+Files: this one sets up and tears down; `_fsdp_hooks.py` holds the per-module state and the comm
+hooks FSDP calls, `_fsdp_checkpoint.py` the DCP state, `_fsdp_topology.py` the HSDP node layout.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
-from ..comm import GradReduceScatter, Topology, TopologyError, WeightGather
+from ..comm import Topology, WeightGather
 from ..config import Config
-
-try:  # FSDP2's comm interfaces (private module; the public methods take instances of these)
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
-except ImportError as e:  # pragma: no cover - torch without FSDP2 custom comms
-    raise ImportError(f"sdpq.fsdp needs torch >= 2.8 with FSDP2 custom comm hooks ({e})") from e
-
+from ._fsdp_checkpoint import load_state_dict, state_dict  # re-exported: sdpq.fsdp.state_dict / load_state_dict
+from ._fsdp_hooks import (MODULE_ATTR, ROOT_ATTR, Applied, ModuleComms, SdpqAllGather, SdpqReduceScatter,
+                          StaleWeightsWarning, applied)
 from ._fsdp_topology import topology_for_mesh_dim
 
 __all__ = [
@@ -69,117 +67,6 @@ __all__ = [
     "ModuleComms",
     "StaleWeightsWarning",
 ]
-
-_ROOT_ATTR = "_sdpq_fsdp"
-_MODULE_ATTR = "_sdpq_fsdp_comms"
-
-
-class StaleWeightsWarning(RuntimeWarning):
-    """A gather found the sharded weights modified in place since the weight path last read them,
-    but nobody marked them (no hooked optimizer step, no mark_weights_changed)."""
-
-
-# ----------------------------------------------------------------------------- per-module state
-
-
-@dataclass(eq=False)
-class ModuleComms:
-    """sdpq's state for one FSDP module: its weight gather and its gradient reduce-scatter(s)."""
-
-    fqn: str
-    module: Any = field(repr=False)
-    param_group: Any = field(repr=False)
-    topology: Topology = field(repr=False)
-    config: Config = field(repr=False)
-    weights: WeightGather = field(repr=False)
-    gradients: dict = field(default_factory=dict, repr=False)  # reduce-scatter numel -> GradReduceScatter
-    gather_input_numel: int = 0
-    grad_numel: int = 0  # reduce-scatter numel when every trainable parameter has a gradient
-    _saved: tuple = field(default=(), repr=False)  # FSDP's own comms, restored by remove()
-    _versions: tuple | None = field(default=None, repr=False)
-    _warned: bool = field(default=False, repr=False)
-
-    def gradient_comm(self, numel: int) -> GradReduceScatter:
-        rs = self.gradients.get(numel)
-        if rs is None:
-            rs = GradReduceScatter(numel, self.topology, self.config.gradients, device=self.param_group.device,
-                                   stats=self.config.stats)
-            self.gradients[numel] = rs
-        return rs
-
-    def check_group(self, group) -> None:
-        if group is self.topology.world_group:
-            return
-        ranks = dist.get_process_group_ranks(group)
-        if ranks != dist.get_process_group_ranks(self.topology.world_group):
-            raise TopologyError(
-                f"sdpq ({self.fqn or '<root>'}): FSDP called the comm on ranks {ranks}, but sdpq was "
-                f"set up for {dist.get_process_group_ranks(self.topology.world_group)} (changed the mesh "
-                "or reshard_after_forward after sdpq.fsdp.apply? call remove() and apply() again)"
-            )
-
-    def shard_versions(self) -> tuple:
-        # Note: in-place updates of a sharded DTensor parameter (optimizer step, DCP
-        # set_model_state_dict, mul_/copy_ by hand) bump the DTensor's own version counter (not its
-        # local tensor's); edits through .data or the local tensor are not seen.
-        return tuple(fp.sharded_param._version for fp in self.param_group.fsdp_params)
-
-
-class _SdpqAllGather(AllGather):
-    def __init__(self, comms: ModuleComms):
-        self.comms = comms
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        c = self.comms
-        c.check_group(group)
-        if input_tensor.numel() != c.gather_input_numel or output_tensor.dtype == torch.uint8:
-            raise RuntimeError(
-                f"sdpq ({c.fqn or '<root>'}): FSDP all-gather input of {input_tensor.numel()} "
-                f"{input_tensor.dtype} elements, expected {c.gather_input_numel} floats (tensor "
-                "subclasses with fsdp_pre_all_gather, e.g. fp8 all-gather, are not supported)")
-        wg = c.weights
-        if wg.config.mode == "diff":
-            versions = c.shard_versions()
-            if wg.dirty:
-                c._versions = versions
-            elif versions != c._versions and not c._warned:
-                c._warned = True
-                warnings.warn(
-                    f"sdpq: the weights of FSDP module {c.fqn or '<root>'} were modified in place but "
-                    "not marked: the gathered weights are the previous version. Pass the optimizer to "
-                    "sdpq.fsdp.apply, or call sdpq.fsdp.mark_weights_changed(model) after changing "
-                    "weights (or sdpq.fsdp.load_state_dict after a checkpoint load)",
-                    StaleWeightsWarning, stacklevel=2)
-        wg.gather(input_tensor, out=output_tensor)
-        return None  # synchronous: FSDP accepts None for the work handle
-
-
-class _SdpqReduceScatter(ReduceScatter):
-    def __init__(self, comms: ModuleComms):
-        self.comms = comms
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        c = self.comms
-        c.check_group(group)
-        c.gradient_comm(input_tensor.numel()).reduce_scatter(input_tensor, out=output_tensor)
-        if op == dist.ReduceOp.AVG:  # only if someone turned force-sum off again
-            output_tensor.div_(group.size())
-        elif op != dist.ReduceOp.SUM:
-            raise RuntimeError(f"sdpq ({c.fqn or '<root>'}): reduce op {op} is not supported (SUM/AVG only)")
-        return None
-
-
-@dataclass(eq=False)
-class _Applied:
-    config: Config
-    comms: list  # ModuleComms, in model.named_modules() order
-    hooks: list  # optimizer hook handles
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -197,13 +84,6 @@ def _as_config(config: Config | Mapping[str, Any] | None) -> Config:
 
 def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-
-
-def _applied(model: nn.Module) -> _Applied:
-    state = getattr(model, _ROOT_ATTR, None)
-    if state is None:
-        raise RuntimeError("sdpq.fsdp: sdpq is not applied to this model (call sdpq.fsdp.apply first)")
-    return state
 
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -256,7 +136,7 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
         raise TypeError(
             f"sdpq.fsdp.apply: {type(model).__name__} has no FSDP module: shard it first with "
             "torch.distributed.fsdp.fully_shard (per block, then the root), then call apply")
-    if hasattr(model, _ROOT_ATTR) or any(hasattr(m, _MODULE_ATTR) for _, m in modules):
+    if hasattr(model, ROOT_ATTR) or any(hasattr(m, MODULE_ATTR) for _, m in modules):
         raise RuntimeError("sdpq.fsdp.apply: sdpq is already applied to this model (or a part of it); "
                            "call sdpq.fsdp.remove(model) before applying it again")
     opts = _optimizers(optimizer)
@@ -297,10 +177,10 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
     # Nothing is installed before every check has passed.
     for comms in comms_list:
         m = comms.module
-        m.set_custom_all_gather(_SdpqAllGather(comms))
-        m.set_custom_reduce_scatter(_SdpqReduceScatter(comms))
+        m.set_custom_all_gather(SdpqAllGather(comms))
+        m.set_custom_reduce_scatter(SdpqReduceScatter(comms))
         m.set_force_sum_reduction_for_comms(True)
-        setattr(m, _MODULE_ATTR, comms)
+        setattr(m, MODULE_ATTR, comms)
     hooks = []
     for opt, marked in zip(opts, marked_by_opt):
 
@@ -309,14 +189,14 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
                 c.weights.mark_dirty()
 
         hooks.append(opt.register_step_post_hook(_after_step))
-    setattr(model, _ROOT_ATTR, _Applied(config=cfg, comms=comms_list, hooks=hooks))
+    setattr(model, ROOT_ATTR, Applied(config=cfg, comms=comms_list, hooks=hooks))
     return model
 
 
 def remove(model: nn.Module) -> None:
     """Restore FSDP's own all-gather / reduce-scatter (and force-sum setting) on every module
     and drop sdpq's state and optimizer hooks."""
-    state = _applied(model)
+    state = applied(model)
     for h in state.hooks:
         h.remove()
     for c in state.comms:
@@ -324,17 +204,17 @@ def remove(model: nn.Module) -> None:
         c.param_group._all_gather_comm = ag  # the public setters only accept new custom comms
         c.param_group._reduce_scatter_comm = rs
         c.module.set_force_sum_reduction_for_comms(force_sum)
-        delattr(c.module, _MODULE_ATTR)
-    delattr(model, _ROOT_ATTR)
+        delattr(c.module, MODULE_ATTR)
+    delattr(model, ROOT_ATTR)
 
 
 def is_applied(model: nn.Module) -> bool:
-    return hasattr(model, _ROOT_ATTR)
+    return hasattr(model, ROOT_ATTR)
 
 
 def module_comms(model: nn.Module) -> dict[str, ModuleComms]:
     """{FSDP module name: its ModuleComms} (weights: WeightGather, gradients: {numel: GradReduceScatter})."""
-    return {c.fqn: c for c in _applied(model).comms}
+    return {c.fqn: c for c in applied(model).comms}
 
 
 def mark_weights_changed(model: nn.Module, *, exact: bool = True) -> None:
@@ -343,109 +223,5 @@ def mark_weights_changed(model: nn.Module, *, exact: bool = True) -> None:
     `exact=True` (default) makes that refresh an exact exchange (one unquantized gather), right for
     arbitrary jumps; `exact=False` sends a quantized difference, right for small updates.
     Call it on every rank alike."""
-    for c in _applied(model).comms:
+    for c in applied(model).comms:
         c.weights.mark_dirty(resync=exact)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _rng_state(obj) -> torch.Tensor | None:
-    """The stochastic-rounding generator state of a WeightGather/GradReduceScatter (created now
-    if it has not been used yet, so that the set of saved keys does not depend on history)."""
-    sd = obj.state_dict()
-    if "generator" in sd:
-        return sd["generator"]
-    if getattr(obj.config, "rounding", "nearest") != "stochastic":
-        return None
-    if isinstance(obj, WeightGather) and obj.config.mode == "exact":
-        return None
-    gen = getattr(obj, "_gen", None)
-    if gen is None:  # Note: GradReduceScatter creates it lazily with its own seed formula
-        if hasattr(obj, "_generator"):
-            gen = obj._generator(obj.device)
-        else:
-            obj._gen = gen = torch.Generator(device=obj.device).manual_seed(0x5D9 + obj.topology.rank)
-    return gen.get_state()
-
-
-def _set_rng_state(obj, state: torch.Tensor) -> None:
-    sd = obj.state_dict()
-    if "generator" in sd:  # the collective saves its generator itself: restore it the same way
-        sd["generator"] = state
-        obj.load_state_dict(sd)
-        return
-    gen = getattr(obj, "_gen", None)
-    if gen is None:
-        gen = obj._generator(obj.device) if hasattr(obj, "_generator") else torch.Generator(device=obj.device)
-        obj._gen = gen
-    gen.set_state(state.clone())
-
-
-def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's sdpq state as a flat dict of tensors, for torch.distributed.checkpoint: weight
-    references (+ version), gradient error-feedback residuals, stochastic-rounding RNG states.
-    Keys start with "rank{r}." so that DCP keeps every rank's own copy. The same call on a freshly
-    set-up model gives the template to load into (same shapes)."""
-    rank = dist.get_rank()
-    out: dict[str, torch.Tensor] = {}
-    for c in _applied(model).comms:
-        topo = c.topology
-        p = f"rank{rank}.{c.fqn or '<root>'}."
-        wg = c.weights
-        out[p + "layout"] = torch.tensor([topo.world_size, topo.ranks_per_node, wg.numel], dtype=torch.int64)
-        if wg.config.mode == "diff":
-            ref = wg.reference
-            out[p + "weights.version"] = torch.tensor(wg.version if ref is not None else -1, dtype=torch.int64)
-            out[p + "weights.reference"] = (ref.detach().clone() if ref is not None else
-                                           torch.zeros((topo.nodes, wg.shard_numel), dtype=wg.reference_dtype))
-        rng = _rng_state(wg)
-        if rng is not None:
-            out[p + "weights.rng"] = rng
-        for numel, rs in sorted(c.gradients.items()):
-            q = p + f"gradients.{numel}."
-            if rs.config.mode == "two_level" and rs.config.error_feedback and topo.nodes > 1:
-                res = rs.residual
-                out[q + "residual"] = (res.clone() if res is not None else
-                                       torch.zeros((topo.nodes, rs.padded_chunk), dtype=torch.float32))
-            rng = _rng_state(rs) if rs.config.mode == "two_level" else None
-            if rng is not None:
-                out[q + "rng"] = rng
-    return out
-
-
-def load_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Restore what state_dict saved (after dcp.load filled it). Marks the weights changed with a
-    quantized difference against the restored reference, exactly as the uninterrupted run's next
-    gather would: resuming reproduces the trajectory bitwise. Do not call mark_weights_changed
-    on top of it (that would make the next refresh exact)."""
-    rank = dist.get_rank()
-    for c in _applied(model).comms:
-        topo = c.topology
-        p = f"rank{rank}.{c.fqn or '<root>'}."
-        wg = c.weights
-        layout = state.get(p + "layout")
-        mine = [topo.world_size, topo.ranks_per_node, wg.numel]
-        if layout is None or layout.tolist() != mine:
-            raise ValueError(
-                f"sdpq.fsdp.load_state_dict: no state for {c.fqn or '<root>'} with layout (world, ranks_per_node, "
-                f"numel) = {mine} (saved: {None if layout is None else layout.tolist()}); to resume on another "
-                "layout, skip sdpq's state and call sdpq.fsdp.mark_weights_changed(model)")
-        if wg.config.mode == "diff":
-            version = int(state[p + "weights.version"])
-            if version < 0:  # saved before the first gather
-                wg.reference, wg.version = None, 0
-                wg.mark_dirty()
-            else:
-                wg.load_state_dict({"mode": wg.config.mode, "layout": topo.layout, "numel": wg.numel,
-                                    "version": version, "reference": state[p + "weights.reference"]})
-        else:
-            wg.mark_dirty()
-        if p + "weights.rng" in state:
-            _set_rng_state(wg, state[p + "weights.rng"])
-        for numel, rs in c.gradients.items():
-            q = p + f"gradients.{numel}."
-            if q + "residual" in state:
-                rs.load_state_dict({"residual": state[q + "residual"]})
-            if q + "rng" in state:
-                _set_rng_state(rs, state[q + "rng"])

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
 from sdpq.config import ConfigError  # noqa: E402
+from sdpq.integrations._ds_groups import reset_deepspeed_groups  # noqa: E402
 from sdpq.train.model import GPTConfig  # noqa: E402
 from sdpq.train.run import RunSpec  # noqa: E402
 
@@ -43,15 +44,7 @@ FULL_BLOCK = {"weights": {"mode": "diff"}}
 def _fresh_deepspeed() -> None:
     """DeepSpeed caches process groups in module globals; the harness destroys the previous run's
     groups, so forget them (a real job has one engine per process)."""
-    import deepspeed.utils.groups as G
-
-    for n in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
-              "_TENSOR_MODEL_PARALLEL_GROUP", "mpu", "mesh_device"):
-        if hasattr(G, n):
-            setattr(G, n, None)
-    for n in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-              "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
-        getattr(G, n, {}).clear()
+    reset_deepspeed_groups()
     import logging
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

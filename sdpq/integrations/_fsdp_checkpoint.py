@@ -1,0 +1,115 @@
+"""sdpq.fsdp's checkpoint state for torch.distributed.checkpoint (DCP), see fsdp.py.
+
+DCP wants a flat dict of tensors whose keys say whose they are, so the collectives' own
+state_dicts are flattened into "rank{r}.{module fqn}.<field>" keys (every rank keeps its own
+copy). These key names are a file format: checkpoints written by earlier versions must load.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import GradReduceScatter, WeightGather
+from ._fsdp_hooks import ModuleComms, applied
+
+__all__ = ["state_dict", "load_state_dict"]
+
+
+def _prefix(c: ModuleComms) -> str:
+    return f"rank{dist.get_rank()}.{c.fqn or '<root>'}."
+
+
+def _layout(c: ModuleComms) -> list[int]:
+    return [c.topology.world_size, c.topology.ranks_per_node, c.weights.numel]
+
+
+def _has_residual(rs: GradReduceScatter) -> bool:
+    # Error feedback only exists on the inter-node stage of the two-level path.
+    c = rs.config
+    return c.mode == "two_level" and c.error_feedback and rs.topology.nodes > 1
+
+
+def _save_weights(wg: WeightGather, p: str, out: dict[str, torch.Tensor]) -> None:
+    s = wg.state_dict()
+    if wg.config.mode == "diff":
+        ref = s["reference"]
+        # Note: before the first gather there is no reference yet; a zero placeholder of the right
+        # shape (version -1) keeps the saved keys and shapes independent of history.
+        out[p + "weights.version"] = torch.tensor(s["version"] if ref is not None else -1, dtype=torch.int64)
+        out[p + "weights.reference"] = (ref if ref is not None else
+                                       torch.zeros((wg.topology.nodes, wg.shard_numel), dtype=wg.reference_dtype))
+    if s["generator"] is not None:
+        out[p + "weights.rng"] = s["generator"]
+
+
+def _save_gradients(rs: GradReduceScatter, q: str, out: dict[str, torch.Tensor]) -> None:
+    s = rs.state_dict()
+    if _has_residual(rs):
+        res = s["residual"]
+        out[q + "residual"] = (res if res is not None else
+                               torch.zeros((rs.topology.nodes, rs.padded_chunk), dtype=torch.float32))
+    if s["generator"] is not None:
+        out[q + "rng"] = s["generator"]
+
+
+def _weights_state(wg: WeightGather, p: str, state: Mapping[str, torch.Tensor]) -> dict:
+    """The WeightGather state_dict that the flat keys under `p` describe. "dirty" is left out on
+    purpose: the weights were loaded too, so the next gather refreshes (a quantized difference
+    against the restored reference), as the uninterrupted run's next gather would."""
+    s = {"mode": wg.config.mode, "layout": wg.topology.layout, "numel": wg.numel, "version": 0, "reference": None}
+    if wg.config.mode == "diff":
+        version = int(state[p + "weights.version"])
+        if version >= 0:  # -1: saved before the first gather
+            s.update(version=version, reference=state[p + "weights.reference"])
+    if p + "weights.rng" in state:
+        s["generator"] = state[p + "weights.rng"]
+    return s
+
+
+def _gradients_state(q: str, state: Mapping[str, torch.Tensor]) -> dict:
+    """The GradReduceScatter state_dict that the flat keys under `q` describe ({} if none)."""
+    s = {}
+    if q + "residual" in state:
+        s["residual"] = state[q + "residual"]
+    if q + "rng" in state:
+        s["generator"] = state[q + "rng"]
+    return s
+
+
+def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's sdpq state as a flat dict of tensors, for torch.distributed.checkpoint: weight
+    references (+ version), gradient error-feedback residuals, stochastic-rounding RNG states.
+    Keys start with "rank{r}." so that DCP keeps every rank's own copy. The same call on a freshly
+    set-up model gives the template to load into (same shapes)."""
+    out: dict[str, torch.Tensor] = {}
+    for c in applied(model).comms:
+        p = _prefix(c)
+        out[p + "layout"] = torch.tensor(_layout(c), dtype=torch.int64)
+        _save_weights(c.weights, p, out)
+        for numel, rs in sorted(c.gradients.items()):
+            _save_gradients(rs, p + f"gradients.{numel}.", out)
+    return out
+
+
+def load_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Restore what state_dict saved (after dcp.load filled it). Marks the weights changed with a
+    quantized difference against the restored reference, exactly as the uninterrupted run's next
+    gather would: resuming reproduces the trajectory bitwise. Do not call mark_weights_changed
+    on top of it (that would make the next refresh exact)."""
+    for c in applied(model).comms:
+        p = _prefix(c)
+        layout, mine = state.get(p + "layout"), _layout(c)
+        if layout is None or layout.tolist() != mine:
+            raise ValueError(
+                f"sdpq.fsdp.load_state_dict: no state for {c.fqn or '<root>'} with layout (world, ranks_per_node, "
+                f"numel) = {mine} (saved: {None if layout is None else layout.tolist()}); to resume on another "
+                "layout, skip sdpq's state and call sdpq.fsdp.mark_weights_changed(model)")
+        c.weights.load_state_dict(_weights_state(c.weights, p, state))
+        for numel, rs in c.gradients.items():
+            s = _gradients_state(p + f"gradients.{numel}.", state)
+            if s:  # Note: a GradReduceScatter state without "residual" clears the residual
+                rs.load_state_dict(s)
