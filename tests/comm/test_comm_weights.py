@@ -113,9 +113,9 @@ def test_diff_bf16_compute_dtype(dist):
     assert max(res[0]["ratios"]) <= 1.0
 
 
-def _save_restore(ctx, numel, save_at, steps):
+def _save_restore(ctx, numel, save_at, steps, rounding="nearest", mode="diff"):
     topo = Topology.build(ctx.ranks_per_node)
-    cfg = WeightsConfig(verify_every=4)
+    cfg = WeightsConfig(verify_every=4, rounding=rounding, mode=mode, bits=4 if mode == "diff" else 8)
     ws = _walk(numel, steps, 1e-3)
     wg = WeightGather(numel, topo, cfg, recorder=CommStats())
     C = wg.shard_numel
@@ -137,10 +137,16 @@ def _save_restore(ctx, numel, save_at, steps):
 
 
 @pytest.mark.parametrize("nodes,rpn", [(2, 2), (3, 2)], ids=["2x2", "3x2"])
-def test_reference_survives_save_restore(dist, nodes, rpn):
-    for ref, restored in dist.run(_save_restore, nodes * rpn, rpn, 2048 * nodes * rpn, 10, 20):
-        # Bitwise the uninterrupted run: the restored reference continues with differences.
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_reference_survives_save_restore(dist, nodes, rpn, rounding):
+    for ref, restored in dist.run(_save_restore, nodes * rpn, rpn, 2048 * nodes * rpn, 10, 20, rounding):
+        # Bitwise the uninterrupted run: the restored reference (and rounding stream) continues.
         assert ref == restored and len(ref) == 9
+
+
+def test_direct_stochastic_stream_survives_save_restore(dist):
+    for ref, restored in dist.run(_save_restore, 4, 2, 2048 * 4, 5, 12, "stochastic", "direct"):
+        assert ref == restored and len(ref) == 6
 
 
 def _corrupt(ctx, numel, verify_every, corrupt_at, steps):
