@@ -178,7 +178,12 @@ def main(argv=None) -> int:
                     help=f"comma-separated subset of {list(RUNS) + ['resume']}")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fsdp_convergence.json"))
     ap.add_argument("--timeout", type=float, default=3 * 3600)
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot of an existing --out JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.out).read_text())
+        plot(saved["runs"], Path(args.out).with_suffix(".png"), argparse.Namespace(**saved["args"]))
+        return 0
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     for r in runs:
         if r not in RUNS and r != "resume":
@@ -232,14 +237,12 @@ def plot(results: dict, path: Path, args, window: int = 10) -> None:
 
     fig, (ax, rx) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=[2, 1])
     base = smooth(results["baseline"]["losses"]) if "baseline" in results else None
-    for name, r in results.items():
-        if name in ("exact", "resume", "baseline_perturbed"):
-            continue
-        ys = smooth(r["losses"])
-        ax.plot(range(1, len(ys) + 1), ys, label=LABELS.get(name, name), linewidth=1)
-        if base is not None and name != "baseline":
-            rx.plot(range(1, len(ys) + 1), [y / b for y, b in zip(ys, base)], label=LABELS.get(name, name),
-                    linewidth=1)
+    shown = [n for n in results if n not in ("exact", "resume", "baseline_perturbed")]
+    for i, name in enumerate(shown):
+        ys, color = smooth(results[name]["losses"]), f"C{i}"  # one colour per arm in both panels
+        ax.plot(range(1, len(ys) + 1), ys, label=LABELS.get(name, name), linewidth=1, color=color)
+        if base is not None:
+            rx.plot(range(1, len(ys) + 1), [y / b for y, b in zip(ys, base)], linewidth=1, color=color)
     ax.set_ylabel(f"training loss (mean of {window} steps)")
     ax.set_title(f"FSDP2 + sdpq, GPT {args.layers}x{args.d_model}, 2 nodes x 2 ranks, lr {args.lr:g}")
     ax.legend(fontsize=8)

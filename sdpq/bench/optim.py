@@ -5,6 +5,11 @@ bytes_per_param comes from sdpq.optim.memory_report (tensors that exist: weights
 compensation, states, metadata; gradients excluded). The baseline counts its fp32 master,
 its two fp32 states and the bf16 compute weights mixed-precision training keeps next to them
 (14 bytes/param). ``vs_baseline`` = step_seconds / baseline_step_seconds.
+
+Where the fused kernel runs (fp8+mcf on CUDA with Triton), the record also gives the step's
+GB/s (minimum traffic: bf16 gradient read, bf16 weight + compensation and both FP8 code
+tensors read and written, metadata), a copy of the same traffic in the same run, and the
+speedup over the PyTorch path (the same optimizer with ``kernels_enabled = False``).
 """
 from __future__ import annotations
 
@@ -13,10 +18,11 @@ import argparse
 import torch
 
 from ..optim import AdamW, memory_report
+from ..quant.fused import uses_kernels
 from .report import default_device, seconds_per_call
 
 COLUMNS = ["states", "master", "v", "numel", "device", "bytes_per_param", "baseline_bytes_per_param",
-           "step_seconds", "baseline_step_seconds", "vs_baseline"]
+           "step_seconds", "baseline_step_seconds", "vs_baseline", "gbps", "vs_copy", "speedup_vs_pytorch"]
 
 # name -> (states, master, mcf_second_moment)
 MODES = {
@@ -43,6 +49,20 @@ def _params(numel: int, dtype: torch.dtype, device: torch.device, seed: int = 0)
         p.grad = (torch.randn(shape, generator=g, device=device) * 1e-3).to(dtype)
         out.append(p)
     return out
+
+
+def _kernel_figures(opt: AdamW, numel: int, step_s: float, min_run_time: float, device: torch.device) -> dict:
+    # Per element: grad 2 read, weight 2+2, compensation 2+2, m and v codes 1+1 each;
+    # per 128-group: scale, k, gm of m and v, 4 bytes each, read and written.
+    traffic = numel * 14 + -(-numel // 128) * 6 * 4 * 2
+    src = torch.empty(traffic // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = seconds_per_call(lambda: dst.copy_(src), min_run_time)
+    opt.kernels_enabled = False
+    torch_s = seconds_per_call(opt.step, min_run_time)
+    opt.kernels_enabled = True
+    return dict(gbps=traffic / step_s / 1e9, copy_gbps=traffic / copy_s / 1e9, vs_copy=copy_s / step_s,
+                speedup_vs_pytorch=torch_s / step_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,10 +96,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             step_s = seconds_per_call(opt.step, args.min_run_time)
             rep = memory_report(opt)
             v = "pair" if pair else (args.v_format if states == "fp8" else states)
-            records.append(dict(states=states, master=mode_master, v=v, numel=rep["numel"], device=device.type,
-                                bytes_per_param=rep["bytes_per_param"], baseline_bytes_per_param=base_bpp,
-                                step_seconds=step_s, baseline_step_seconds=base_s, vs_baseline=step_s / base_s,
-                                breakdown=rep["per_param"]))
+            rec = dict(states=states, master=mode_master, v=v, numel=rep["numel"], device=device.type,
+                       bytes_per_param=rep["bytes_per_param"], baseline_bytes_per_param=base_bpp,
+                       step_seconds=step_s, baseline_step_seconds=base_s, vs_baseline=step_s / base_s,
+                       breakdown=rep["per_param"])
+            if name == "fp8+mcf" and uses_kernels(params[0]) and args.v_format == "e4m3":
+                rec.update(_kernel_figures(opt, rep["numel"], step_s, args.min_run_time, device))
+            records.append(rec)
             del params, opt
         del master, baseline
     return records

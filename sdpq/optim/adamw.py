@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..quant import mcf
+from ..quant.fused import uses_kernels
 from . import checkpoint, guard, states
 from .layout import chunk_numel, chunks, fp8_groups_ok, local, rows
 
@@ -89,6 +90,9 @@ class AdamW(torch.optim.Optimizer):
         self.on_nonfinite = guard.check_on_nonfinite(on_nonfinite)
         self.sync_group = sync_group
         self.skipped_steps = 0
+        # On CUDA the default layout steps in one fused kernel (sdpq.kernels.adamw); False forces
+        # the PyTorch path (the reference; benchmarks time both).
+        self.kernels_enabled = True
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -157,6 +161,17 @@ class AdamW(torch.optim.Optimizer):
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         b1, b2 = group["betas"]
         G, vf8 = group["group_size"], group["v_format"]
+        if self._fused_applies(pl, group, st):
+            from ..kernels.adamw import adamw_fp8_mcf_step
+
+            def moment(name):
+                codes = rows(st[name + "_codes"])
+                return (codes,) + tuple(st[name + s].reshape(codes.shape[0], -1) for s in ("_scale", "_k", "_gm"))
+
+            adamw_fp8_mcf_step(rows(pl), rows(st["master_lo"]), local(p.grad).reshape(rows(pl).shape),
+                               moment("exp_avg"), moment("exp_avg_sq"), lr=lr, b1=b1, b2=b2, eps=eps, wd=wd,
+                               step=int(step), group_size=G)
+            return
         bias_correction2_sqrt = (1 - b2**step) ** 0.5
         step_size = lr / (1 - b1**step)
         fm, fv = states.stored_format(st, "exp_avg"), states.stored_format(st, "exp_avg_sq")
@@ -193,6 +208,13 @@ class AdamW(torch.optim.Optimizer):
                 x.addcdiv_(m, denom, value=-step_size)
                 if x is not w:
                     w.copy_(x)
+
+    def _fused_applies(self, pl: Tensor, group: dict, st: dict) -> bool:
+        """The one-kernel step (sdpq.kernels.adamw) covers the default layout on CUDA: E4M3
+        m and v with expansion, MCF master, a power-of-two group size."""
+        G = group["group_size"]
+        return (self.kernels_enabled and uses_kernels(pl) and "master_lo" in st and group["v_format"] == "e4m3" and G & (G - 1) == 0
+                and states.stored_format(st, "exp_avg") == "fp8" and states.stored_format(st, "exp_avg_sq") == "fp8")
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -1,0 +1,142 @@
+"""One fused AdamW step on FP8 (E4M3, COAT-expanded) moments and an MCF (bf16 pair) master.
+
+Per group of ``G`` elements of one row, in registers: decode m and v (256-entry table + the
+group's k, gm, scale), m = lerp(m, g, 1 - b1), v = b2 v + (1 - b2) g^2, re-encode both with
+fresh expansion metadata, then Grow the bf16 pair (w, lo) by -step_size m / (sqrt(v)/bc2 + eps)
+- lr wd (w + lo). One read and one write of every state byte; the PyTorch path in
+``sdpq.optim.adamw`` makes ~30 passes.
+
+The formulas are ``sdpq.quant.fp8`` and ``sdpq.quant.mcf`` step for step, but log2/exp2 come
+from the device's math library instead of torch's, so results agree with the reference within
+rounding (a code may land one E4M3 step away), not bitwise. fp32 -> E4M3 is encoded by hand
+(round to nearest even on the fp32 bits): the interpreter has no fp8 and GPUs before sm_89
+have no conversion instruction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._tile import round_half_even, to_bf16_rne
+
+__all__ = ["adamw_fp8_mcf_step"]
+
+_E4M3_MAX = 448.0
+_LOG2_FMAX = math.log2(_E4M3_MAX)
+_TABLES: dict = {}
+
+
+def _e4m3_table(device: torch.device) -> torch.Tensor:
+    if device not in _TABLES:
+        _TABLES[device] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+    return _TABLES[device]
+
+
+@triton.jit
+def _encode_e4m3(x):
+    """fp32 (|x| <= 448 or NaN) -> E4M3 code bits (int32 0..255), round to nearest even."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    mant = bits & 0x7FFFFF
+    r = mant >> 20
+    rem = mant & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((r & 1) == 1))
+    normal = ((e + 7) << 3) + r + up.to(tl.int32)
+    sub = round_half_even(a * 512.0).to(tl.int32)  # below 2^-6: steps of 2^-9 (8 = the first normal)
+    code = tl.where(e < -6, sub, normal)
+    code = tl.where(x.to(tl.int32, bitcast=True) < 0, code | 0x80, code)  # the sign bit: -0.0 too
+    return tl.where(x != x, 0x7F, code)
+
+
+@triton.jit
+def _decode_group(codes_ptr, table_ptr, s, k, gm, offs, m):
+    c = tl.load(table_ptr + tl.load(codes_ptr + offs, mask=m, other=0).to(tl.int32))
+    inv_k = 1.0 / k
+    bias = tl.where(tl.abs(s) < float("inf"), tl.log2(s) * inv_k + tl.log2(gm), float("nan"))
+    y = tl.exp2(tl.log2(tl.abs(c)) * inv_k[:, None] + bias[:, None])
+    return tl.where(c < 0, -y, y)
+
+
+@triton.jit
+def _encode_group(x, codes_ptr, s_ptr, k_ptr, gm_ptr, offs, m, goffs, gm_mask, FMAX: tl.constexpr,
+                  LOG2_FMAX: tl.constexpr):
+    a = tl.abs(x)
+    mx = tl.max(a, axis=1)
+    bad = (tl.max((x != x).to(tl.int32), axis=1) > 0) | ~(mx < float("inf"))
+    mn = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
+    empty = (mx == 0) | bad
+    lmx = tl.log2(tl.where(empty, 1.0, mx))
+    lmn = tl.log2(tl.where(empty, 1.0, mn))
+    log_r = lmx - lmn
+    k = tl.floor(16 * (2 * LOG2_FMAX - 1) / tl.where(log_r > 0, log_r, 1.0)) / 16
+    k = tl.minimum(tl.maximum(tl.where(log_r > 0, k, 1.0), 1.0 / 16), 65536.0)
+    gm = tl.exp2(0.5 * (lmx + lmn))
+    s = tl.exp2(k * (lmx - tl.log2(gm)) - LOG2_FMAX)
+    bias = tl.where(bad, float("nan"), -(k * tl.log2(gm) + tl.log2(s)))
+    mag = tl.minimum(tl.exp2(tl.log2(a) * k[:, None] + bias[:, None]), FMAX)
+    sign = x.to(tl.int32, bitcast=True) < 0  # copysign, as the reference (-0.0 keeps its sign)
+    code = _encode_e4m3(tl.where(sign, -mag, mag))
+    tl.store(codes_ptr + offs, code.to(tl.uint8), mask=m)
+    tl.store(s_ptr + goffs, tl.where(bad, float("nan"), s), mask=gm_mask)
+    tl.store(k_ptr + goffs, k, mask=gm_mask)
+    tl.store(gm_ptr + goffs, gm, mask=gm_mask)
+
+
+@triton.jit
+def _adamw_kernel(w_ptr, lo_ptr, g_ptr, table_ptr,
+                  mc_ptr, ms_ptr, mk_ptr, mg_ptr, vc_ptr, vs_ptr, vk_ptr, vg_ptr,
+                  n_cols, n_groups, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, step_size, lr_wd,
+                  G: tl.constexpr, GPB: tl.constexpr, FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr):
+    row = tl.program_id(1)
+    grp = tl.program_id(0) * GPB + tl.arange(0, GPB)
+    gmask = grp < n_groups
+    col = grp[:, None] * G + tl.arange(0, G)[None, :]
+    m = gmask[:, None] & (col < n_cols)
+    offs = row * n_cols + col
+    goffs = row * n_groups + grp
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    # First moment: decode, lerp (torch's formula for weights < 0.5), re-encode.
+    ma = _decode_group(mc_ptr, table_ptr, tl.load(ms_ptr + goffs, mask=gmask, other=0.0),
+                       tl.load(mk_ptr + goffs, mask=gmask, other=1.0), tl.load(mg_ptr + goffs, mask=gmask, other=1.0),
+                       offs, m)
+    ma = ma + one_minus_b1 * (g - ma)
+    ma = tl.where(m, ma, 0.0)
+    _encode_group(ma, mc_ptr, ms_ptr, mk_ptr, mg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX)
+    # Second moment.
+    va = _decode_group(vc_ptr, table_ptr, tl.load(vs_ptr + goffs, mask=gmask, other=0.0),
+                       tl.load(vk_ptr + goffs, mask=gmask, other=1.0), tl.load(vg_ptr + goffs, mask=gmask, other=1.0),
+                       offs, m)
+    va = va * b2 + one_minus_b2 * g * g  # addcmul's order: (value * g) * g
+    va = tl.where(m, va, 0.0)
+    _encode_group(va, vc_ptr, vs_ptr, vk_ptr, vg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX)
+    # MCF master: one Grow of (w, lo) by the decay and the Adam step together.
+    denom = tl.sqrt(va) / bc2_sqrt + eps
+    h = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    lo = tl.load(lo_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    d = (ma / denom) * (-step_size) + (h + lo) * (-lr_wd)
+    s = to_bf16_rne(h + d).to(tl.float32)
+    lo1 = to_bf16_rne(lo + (d - (s - h))).to(tl.float32)
+    hi_new = to_bf16_rne(s + lo1)
+    lo_new = to_bf16_rne(lo1 - (hi_new.to(tl.float32) - s))
+    tl.store(w_ptr + offs, hi_new, mask=m)
+    tl.store(lo_ptr + offs, lo_new, mask=m)
+
+
+def adamw_fp8_mcf_step(w: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, m_state: tuple, v_state: tuple, *,
+                       lr: float, b1: float, b2: float, eps: float, wd: float, step: int, group_size: int) -> None:
+    """In place. w, lo: bf16 [rows, cols]; grad [rows, cols] (any float); m_state/v_state: (codes
+    uint8 [rows, cols], scale, k, gm fp32 [rows, groups]) of E4M3 expanded moments."""
+    rows, cols = w.shape
+    G = group_size
+    n_groups = -(-cols // G)
+    gpb = max(1, min(triton.next_power_of_2(n_groups), max(1, 2048 // G)))
+    grid = (triton.cdiv(n_groups, gpb), rows)
+    _adamw_kernel[grid](
+        w, lo, grad, _e4m3_table(w.device), *m_state, *v_state, cols, n_groups,
+        1.0 - b1, b2, 1.0 - b2, (1.0 - b2**step) ** 0.5, eps, lr / (1.0 - b1**step), lr * wd,
+        G=G, GPB=gpb, FMAX=_E4M3_MAX, LOG2_FMAX=_LOG2_FMAX)
