@@ -49,6 +49,8 @@ RUNS = {
     "full": FULL,
     "weights": {**EXACT, "weights": {"mode": "diff"}},
     "gradients": {**EXACT, "gradients": {"mode": "two_level"}},
+    "gradients_nohad": {**EXACT, "gradients": {"mode": "two_level", "hadamard": False}},
+    "comms": {**FULL, "optimizer": {"enabled": False}},
     "optimizer": {**EXACT, "optimizer": FULL["optimizer"]},
 }
 
