@@ -105,6 +105,8 @@ def run_job(cluster: EmulatedNodes, command: list[str], ranks_per_node: int, *, 
             print(f"[sdpq cluster] node {i} ({cluster.address(i)}): {shlex.join(cmd)}", file=out or sys.stdout,
                   flush=True)
             procs.append(subprocess.Popen(cmd, env=node_env, start_new_session=True, stdout=out, stderr=out))
+            if out is not None:
+                out.close()  # the child holds its own descriptor
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:

@@ -27,7 +27,13 @@ def _cpu_signs(block: int, seed: int) -> torch.Tensor:
 
 
 def signs(block: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The +-1 diagonal D (fp32 [block]) of every rank using `seed`."""
+    """The +-1 diagonal D (fp32 [block]) of every rank using `seed` (shared: never write to it)."""
+    return _device_signs(block, seed, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_signs(block: int, seed: int, device: torch.device) -> torch.Tensor:
+    # Note: cached per device, so the hot path does not copy the signs host-to-device per call.
     return _cpu_signs(block, seed).to(device)
 
 

@@ -11,7 +11,6 @@ the "sdpq" block) and trains it with `sdpq.deepspeed.initialize` (plain DeepSpee
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from ..comm import stats as comm_stats
 from .data import TokenData
 from .model import GPT
-from .run import RunResult, RunSpec, digest, lr_at, validation_loss
+from .run import RunResult, RunSpec, digest, lr_at, median_step_seconds, validation_loss
 
 __all__ = ["train", "ds_config", "optimizer_bytes_per_param", "CKPT_TAG"]
 
@@ -171,11 +170,10 @@ def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
             extra["references"] = {names[i]: (adapter.topology.local_rank,
                                               None if wg.reference is None else digest(wg.reference))
                                    for i, wg in adapter.weights.items()}
-    warm = times[min(5, len(times) - 1):] if times else [float("nan")]
     result = RunResult(
         losses=losses,
         val_loss=val,
-        step_seconds=statistics.median(warm),
+        step_seconds=median_step_seconds(times),
         comm=comm,
         cross_node_bytes_per_step=inter / max(1, steps_run),
         optimizer_bytes_per_param=optimizer_bytes_per_param(engine),

@@ -13,7 +13,6 @@ tokens of the uninterrupted one.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Iterable
 
@@ -26,7 +25,7 @@ from ..config import Config
 from ..integrations import fsdp as sdpq_fsdp
 from .data import TokenData
 from .model import GPT
-from .run import RunResult, RunSpec, digest, lr_at, validation_loss
+from .run import RunResult, RunSpec, digest, lr_at, median_step_seconds, validation_loss
 
 __all__ = ["train", "build_model", "build_optimizer", "save_checkpoint", "load_checkpoint"]
 
@@ -255,11 +254,10 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
             extra["references"] = {
                 name: (c.topology.local_rank, None if c.weights.reference is None else digest(c.weights.reference))
                 for name, c in sdpq_fsdp.module_comms(model).items()}
-    warm = times[min(5, len(times) - 1):] if times else [float("nan")]
     result = RunResult(
         losses=losses,
         val_loss=val,
-        step_seconds=statistics.median(warm),
+        step_seconds=median_step_seconds(times),
         comm=comm,
         cross_node_bytes_per_step=inter / max(1, steps_run),
         optimizer_bytes_per_param=_optimizer_bytes_per_param(opt, model),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ import torch
 
 from .model import GPTConfig
 
-__all__ = ["RunSpec", "RunResult", "lr_at", "digest", "validation_loss"]
+__all__ = ["RunSpec", "RunResult", "lr_at", "digest", "validation_loss", "median_step_seconds"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,13 @@ def lr_at(spec: RunSpec, step: int) -> float:
         return spec.lr * (step + 1) / spec.warmup
     t = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def median_step_seconds(times: list[float], warmup: int = 5) -> float:
+    """Median wall time per step, the first `warmup` steps excluded (fewer when the run is
+    shorter; NaN without steps)."""
+    warm = times[min(warmup, len(times) - 1):] if times else [float("nan")]
+    return statistics.median(warm)
 
 
 def digest(t) -> str:
