@@ -1,7 +1,7 @@
-"""The collectives' fused hot paths (``sdpq.quant.fused``): Triton kernel vs PyTorch vs a copy.
+"""The collectives' fused hot paths (``sdpq.quant.fused``): kernel vs PyTorch vs a copy.
 
-Each op is timed twice when kernels are available (CUDA + Triton): as the fused kernel and as
-the PyTorch reference composition. GB/s here counts the op's minimum memory traffic (every
+Each op is timed twice when a kernel is available (C++ on CPU, Triton on CUDA): as the fused
+kernel and as the PyTorch reference composition. GB/s here counts the op's minimum memory traffic (every
 input byte read once + every output byte written once); the copy baseline moves a buffer of
 half that size (``dst.copy_(src)`` reads and writes it), i.e. the same traffic, in the same run,
 so ``vs_copy`` is the fraction of the achievable bandwidth the op reaches.
@@ -64,7 +64,8 @@ def _ops(n: int, device: torch.device) -> dict[str, Op]:
 
 def run(sizes: list[int], device: torch.device, timer: Callable[[Callable[[], object]], float],
         only: list[str] | None = None) -> list[dict]:
-    kernels = F.uses_kernels(torch.empty(0, device=device))
+    probe = torch.empty(0, device=device)
+    kernel = "triton" if F.uses_kernels(probe) else "cpp" if F.uses_native(probe) else None
     records = []
     for n in sizes:
         ops = _ops(n, device)
@@ -74,7 +75,7 @@ def run(sizes: list[int], device: torch.device, timer: Callable[[Callable[[], ob
             src = torch.empty(traffic // 2, dtype=torch.uint8, device=device)
             dst = torch.empty_like(src)
             copy_gbps = traffic / timer(lambda: dst.copy_(src)) / 1e9
-            paths = [("triton", fused), ("pytorch", reference)] if kernels else [("pytorch", reference)]
+            paths = [(kernel, fused), ("pytorch", reference)] if kernel else [("pytorch", reference)]
             t_ref = None
             for path, call in reversed(paths):  # the reference first: the kernel's speedup needs it
                 t = timer(call)

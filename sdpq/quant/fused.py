@@ -7,14 +7,16 @@ Each function is what a collective does to a buffer between two exchanges:
     reduce_rows   unpack -> dequantize every received row (one replaced by this rank's exact
                   values) -> sum -> [inverse Hadamard] | [re-quantize -> pack for the next stage]
 
-On CUDA tensors with Triton installed (or, the test mode, on any device with
-``SDPQ_TRITON=interpret TRITON_INTERPRET=1``) they run as one Triton kernel each (``sdpq.kernels.codec``); otherwise as the PyTorch
-composition below, which stays the reference: kernels are tested against it, bitwise with
-nearest rounding. ``SDPQ_TRITON=0`` forces the reference everywhere.
+Each runs as one operator (``torch.ops.sdpq.*``, ``sdpq.kernels.codec_ops``) with one kernel
+per device: C++ on CPU (built at first use), Triton on CUDA. Where neither can run (no C++
+compiler, ``SDPQ_NATIVE=0`` for CPU, ``SDPQ_TRITON=0`` for CUDA) the PyTorch composition below
+runs instead; it stays the reference: kernels are tested against it, bitwise with nearest
+rounding. The test mode ``SDPQ_TRITON=interpret TRITON_INTERPRET=1`` runs the Triton kernels on
+every device, through Triton's interpreter.
 
-Note: stochastic rounding in a kernel draws from Triton's Philox stream, seeded by one draw
-from the caller's torch generator per call; the reference draws from the generator itself.
-Both are unbiased and reproducible from the generator's state, but the draws differ.
+Note: stochastic rounding in a kernel draws from the kernel's own counter-based stream, seeded
+by one draw from the caller's torch generator per call; the reference draws from the generator
+itself. Both are unbiased and reproducible from the generator's state, but the draws differ.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import os
 
 import torch
 
+from ..kernels import codec_ops
 from .groupwise import QuantSpec, dequantize, nonfinite_groups, quantize
 from .hadamard import hadamard as _hadamard
 from .hadamard import inverse_hadamard, signs
 from .wire import pack, unpack
 
-__all__ = ["encode_rows", "decode_rows", "reduce_rows", "poison_scales_", "wire_nonfinite", "uses_kernels"]
+__all__ = ["encode_rows", "decode_rows", "reduce_rows", "poison_scales_", "wire_nonfinite", "uses_kernels",
+           "uses_native"]
 
 Hadamard = tuple[int, int]  # (block, seed)
 
@@ -51,8 +55,23 @@ def _triton_mode() -> str:
 
 
 def uses_kernels(t: torch.Tensor) -> bool:
+    """The Triton kernels run for t (CUDA, or every device in the interpreter test mode)."""
     mode = _triton_mode()
     return mode == "interpret" or (mode == "cuda" and t.is_cuda)
+
+
+def uses_native(t: torch.Tensor) -> bool:
+    """The C++ CPU kernels run for t."""
+    return t.device.type == "cpu" and _triton_mode() != "interpret" and codec_ops.cpu_available()
+
+
+def _use_op(t: torch.Tensor) -> bool:
+    """Call the torch.ops.sdpq operator (its CPU or CUDA kernel) rather than the reference."""
+    return (t.is_cuda and _triton_mode() == "cuda") or uses_native(t)
+
+
+def _spec_args(spec: QuantSpec) -> tuple[int, int, bool, bool]:
+    return spec.bits, spec.group_size, spec.rounding == "stochastic", spec.scale_dtype == torch.float16
 
 
 def _seed(generator: torch.Generator | None) -> int:
@@ -83,6 +102,11 @@ def encode_rows(x: torch.Tensor, spec: QuantSpec, *, ref: torch.Tensor | None = 
     R, n = x.shape
     if R % segments:
         raise ValueError(f"encode_rows: {R} rows do not split into {segments} segments")
+    if _use_op(x) and (segments == 1 or n % spec.group_size == 0):
+        signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], x.device)
+        wire, own, flag = torch.ops.sdpq.encode_rows(x, ref, segments, *_spec_args(spec), signs_t,
+                                                     -1 if own_row is None else own_row, _seed(generator))
+        return wire, (own if own_row is not None else None), flag
     if uses_kernels(x):
         from ..kernels import codec
 
@@ -107,6 +131,9 @@ def _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator):
 
 def decode_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
     """wire [R, wire_bytes(numel)] -> out [R, numel] (its dtype); ``out += values`` (fp32 math) if add."""
+    if _use_op(buf) and out.dim() == 2 and out.stride(1) == 1:
+        torch.ops.sdpq.decode_rows(buf, numel, spec.bits, spec.group_size, spec.scale_dtype == torch.float16, out, add)
+        return out
     if uses_kernels(buf):
         from ..kernels import codec
 
@@ -128,6 +155,14 @@ def reduce_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, own: torch.Tenso
     `hadamard`. With `encode_spec` the sum is instead split into rows of `encode_numel` and
     re-encoded: returns (wire [numel / encode_numel, wire bytes], fp32 copy of row `own_seg`,
     nonfinite)."""
+    if _use_op(buf):
+        signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], buf.device)
+        enc = _spec_args(encode_spec) if encode_spec is not None else (0, 2, spec.rounding == "stochastic", False)
+        out, own_out, flag = torch.ops.sdpq.reduce_rows(buf, numel, spec.bits, spec.group_size,
+                                                        spec.scale_dtype == torch.float16, own.reshape(-1), own_row,
+                                                        bad, signs_t, enc[0], enc[1], enc[2], enc[3], encode_numel,
+                                                        own_seg, _seed(generator))
+        return out if encode_spec is None else (out, own_out, flag)
     bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
     if uses_kernels(buf):
         from ..kernels import codec
@@ -146,7 +181,12 @@ def reduce_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, own: torch.Tenso
 def _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator):
     parts = dequantize(unpack(buf, spec, numel))
     parts[own_row] = own.reshape(-1)
-    y = parts.sum(0) + bad_f
+    # Note: rows are summed in row order, one add at a time (the kernels' order); torch's
+    # sum(0) reorders its additions for more than 4 rows.
+    y = parts[0].clone()
+    for part in parts[1:]:
+        y += part
+    y += bad_f
     if encode_spec is None:
         return inverse_hadamard(y, *hadamard) if hadamard is not None else y
     rows = y.view(-1, encode_numel)

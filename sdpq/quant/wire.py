@@ -25,7 +25,9 @@ def pack(q: Quantized, spec: QuantSpec) -> torch.Tensor:
     if spec.bits == 4:
         pairs = codes.view(*codes.shape[:-1], -1, 2) & 0x0F
         codes = pairs[..., 0] | (pairs[..., 1] << 4)
-    scales = q.scales.to(spec.scale_dtype).contiguous().view(torch.uint8)
+    # One NaN bit pattern on the wire, whatever NaN the input held (the kernels write the same).
+    scales = torch.where(q.scales.isnan(), float("nan"), q.scales)
+    scales = scales.to(spec.scale_dtype).contiguous().view(torch.uint8)
     return torch.cat((codes, scales), dim=-1)
 
 

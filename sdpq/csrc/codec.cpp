@@ -1,0 +1,202 @@
+// CPU kernels of the wire codec: sdpq::encode_rows, sdpq::decode_rows, sdpq::reduce_rows.
+//
+// The operators are defined in Python (sdpq/kernels/codec_ops.py); this file registers their
+// CPU kernels. Each kernel reads its inputs once and writes its outputs once, a tile at a time
+// through a small fp32 buffer that stays in L1: difference, Hadamard butterflies, group absmax,
+// division, rounding and packing of a tile all happen before the next tile is loaded.
+//
+// The arithmetic is that of the PyTorch reference (sdpq/quant/fused.py and the modules it
+// calls) operation for operation, in fp32 and in the same order, so nearest rounding is bitwise
+// equal to it (the build uses -ffp-contract=off: no fused multiply-adds the reference lacks):
+//   scale = fp32(absmax / qmax) [-> fp16 -> fp32], code = clamp(round_half_even(v / scale)),
+//   the butterflies pair (j, j + h) of every run of 2h as (a + b, a - b), h = 1, 2, 4, ...,
+//   the received rows are summed in row order.
+// Stochastic rounding uses floor(v / scale + u) with u from a counter-based hash of (seed,
+// element position): the draws differ from the reference's torch generator (both unbiased),
+// and they do not depend on how the work is split between threads.
+//
+// Wire rows (sdpq/quant/wire.py): [codes: groups * G * bits / 8 bytes | scales: fp32 or fp16,
+// little endian]; 4-bit codes are two's-complement nibbles, element 2i in the low nibble.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "codec_math.h"
+
+namespace sdpq {
+namespace {
+
+// ---------------------------------------------------------------------------- encode_rows
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
+    const at::Tensor& x, const std::optional<at::Tensor>& ref, int64_t segments, int64_t bits,
+    int64_t group_size, bool stochastic, bool scale_fp16, const std::optional<at::Tensor>& signs,
+    int64_t own_row, int64_t seed) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "encode_rows: x must be 2-D with contiguous rows");
+  const int64_t R = x.size(0), n = x.size(1);
+  TORCH_CHECK(segments >= 1 && R % segments == 0, "encode_rows: ", R, " rows do not split into ", segments,
+              " segments");
+  const Spec spec(bits, group_size, stochastic, scale_fp16);
+  TORCH_CHECK(segments == 1 || n % spec.G == 0,
+              "encode_rows: segmented rows need n (", n, ") to be a multiple of the group size ", spec.G);
+  const Hadamard had(signs);
+  TORCH_CHECK(had.B == 1 || n % had.B == 0, "encode_rows: row length ", n,
+              " is not a multiple of the Hadamard block ", had.B);
+  if (ref) {
+    TORCH_CHECK(ref->sizes() == x.sizes() && ref->stride(1) == 1, "encode_rows: ref must match x");
+  }
+  const int64_t P = R / segments, row_numel = segments * n;
+  auto out = at::empty({P, spec.wire_bytes(row_numel)}, x.options().dtype(at::kByte));
+  auto own = at::empty(own_row >= 0 ? std::vector<int64_t>{segments, n} : std::vector<int64_t>{0},
+                       x.options().dtype(at::kFloat));
+  const int64_t T = tile_size(n, spec.G, had.B);
+  const int64_t tiles = (n + T - 1) / T;
+  std::atomic<bool> nonfinite{false};
+  const uint8_t* xp = static_cast<const uint8_t*>(x.data_ptr());
+  const uint8_t* rp = ref ? static_cast<const uint8_t*>(ref->data_ptr()) : nullptr;
+  const auto xt = x.scalar_type();
+  const auto rt = ref ? ref->scalar_type() : xt;
+  const int64_t xs = x.stride(0) * x.element_size(), rs = ref ? ref->stride(0) * ref->element_size() : 0;
+  uint8_t* op = out.data_ptr<uint8_t>();
+  float* ownp = own_row >= 0 ? own.data_ptr<float>() : nullptr;
+  const int64_t wb = out.size(1), cb = spec.code_bytes(row_numel);
+
+  at::parallel_for(0, R * tiles, grain(T), [&](int64_t begin, int64_t end) {
+    Scratch v(T), tmp(T);
+    bool bad = false;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t r = u / tiles, t = u % tiles;
+      const int64_t c0 = t * T, len = std::min(T, n - c0);
+      load_float(xp + r * xs, xt, c0, len, v);
+      if (rp) {
+        load_float(rp + r * rs, rt, c0, len, tmp);
+        for (int64_t i = 0; i < len; ++i) v[i] = v[i] - tmp[i];
+      }
+      if (had.B > 1) had.forward(v, len);
+      const int64_t seg = r / P, p = r % P;
+      if (ownp && p == own_row) std::memcpy(ownp + seg * n + c0, v, len * sizeof(float));
+      // Logical position in the wire row: segment seg occupies [seg * n, (seg + 1) * n).
+      uint8_t* row = op + p * wb;
+      const int64_t pos0 = seg * n + c0;
+      for (int64_t g0 = 0; g0 < len; g0 += spec.G) {
+        const int64_t glen = std::min<int64_t>(spec.G, len - g0);
+        const int64_t gi = (pos0 + g0) / spec.G;
+        bad |= !quantize_group(v + g0, glen, spec, row + spec.group_code_offset(gi), row + cb + gi * spec.scale_size,
+                               static_cast<uint32_t>(seed), static_cast<uint64_t>(p * row_numel + pos0 + g0));
+      }
+    }
+    if (bad) nonfinite.store(true, std::memory_order_relaxed);
+  });
+  return {out, own, at::scalar_tensor(nonfinite.load(), x.options().dtype(at::kBool))};
+}
+
+// ---------------------------------------------------------------------------- decode_rows
+
+void decode_rows(const at::Tensor& buf, int64_t numel, int64_t bits, int64_t group_size, bool scale_fp16,
+                 const at::Tensor& out, bool add) {
+  const Spec spec(bits, group_size, false, scale_fp16);
+  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.stride(1) == 1 &&
+                  buf.size(1) == spec.wire_bytes(numel),
+              "decode_rows: expected uint8 rows of ", spec.wire_bytes(numel), " bytes for numel=", numel);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == buf.size(0) && out.size(1) == numel && out.stride(1) == 1,
+              "decode_rows: out must be [", buf.size(0), ", ", numel, "] with contiguous rows");
+  const int64_t R = buf.size(0), T = tile_size(numel, spec.G, 1), tiles = (numel + T - 1) / T;
+  const int64_t cb = spec.code_bytes(numel), bs = buf.stride(0);
+  const uint8_t* bp = buf.data_ptr<uint8_t>();
+  uint8_t* optr = static_cast<uint8_t*>(out.data_ptr());
+  const auto ot = out.scalar_type();
+  const int64_t os = out.stride(0) * out.element_size();
+  at::parallel_for(0, R * tiles, grain(T), [&](int64_t begin, int64_t end) {
+    Scratch v(T), tmp(T);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t r = u / tiles, c0 = (u % tiles) * T, len = std::min(T, numel - c0);
+      dequantize_span(bp + r * bs, cb, spec, c0, len, v);
+      if (add) {
+        load_float(optr + r * os, ot, c0, len, tmp);
+        for (int64_t i = 0; i < len; ++i) v[i] = tmp[i] + v[i];
+      }
+      store_float(v, len, ot, optr + r * os, c0);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------- reduce_rows
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
+    const at::Tensor& buf, int64_t numel, int64_t bits, int64_t group_size, bool scale_fp16, const at::Tensor& own,
+    int64_t own_row, const at::Tensor& bad, const std::optional<at::Tensor>& signs, int64_t enc_bits,
+    int64_t enc_group_size, bool enc_stochastic, bool enc_scale_fp16, int64_t enc_numel, int64_t own_seg,
+    int64_t seed) {
+  const Spec spec(bits, group_size, false, scale_fp16);
+  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.stride(1) == 1 &&
+                  buf.size(1) == spec.wire_bytes(numel),
+              "reduce_rows: expected uint8 rows of ", spec.wire_bytes(numel), " bytes for numel=", numel);
+  TORCH_CHECK(own.scalar_type() == at::kFloat && own.is_contiguous() && own.numel() == numel,
+              "reduce_rows: own must be contiguous fp32 with ", numel, " elements");
+  const bool encode = enc_bits != 0;
+  const Hadamard had(encode ? std::nullopt : signs);
+  TORCH_CHECK(had.B == 1 || numel % had.B == 0, "reduce_rows: ", numel, " is not a multiple of the Hadamard block");
+  const Spec enc(encode ? enc_bits : 8, encode ? enc_group_size : 2, enc_stochastic, enc_scale_fp16);
+  const int64_t rowlen = encode ? enc_numel : numel;
+  TORCH_CHECK(rowlen > 0 && numel % rowlen == 0, "reduce_rows: rows of ", rowlen, " must tile ", numel);
+  const int64_t erows = numel / rowlen;
+  const float extra = bad.item<bool>() ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+
+  auto opts = buf.options();
+  at::Tensor result = encode ? at::empty({erows, enc.wire_bytes(rowlen)}, opts.dtype(at::kByte))
+                             : at::empty({numel}, opts.dtype(at::kFloat));
+  at::Tensor own_out = at::empty({encode ? rowlen : 0}, opts.dtype(at::kFloat));
+  const int64_t R = buf.size(0), bs = buf.stride(0), cb = spec.code_bytes(numel);
+  const int64_t T = tile_size(rowlen, std::max(spec.G, enc.G), had.B), tiles = (rowlen + T - 1) / T;
+  const uint8_t* bp = buf.data_ptr<uint8_t>();
+  const float* ownp = own.data_ptr<float>();
+  std::atomic<bool> nonfinite{false};
+  at::parallel_for(0, erows * tiles, grain(T * R), [&](int64_t begin, int64_t end) {
+    Scratch acc(T), v(T);
+    bool flag = false;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t e = u / tiles, c0 = e * rowlen + (u % tiles) * T;
+      const int64_t len = std::min(T, (e + 1) * rowlen - c0);
+      for (int64_t k = 0; k < R; ++k) {  // row order, as the reference's sum
+        const float* part = ownp + c0;
+        if (k != own_row) {
+          dequantize_span(bp + k * bs, cb, spec, c0, len, v);
+          part = v;
+        }
+        if (k == 0) {
+          std::memcpy(acc, part, len * sizeof(float));
+        } else {
+          for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] + part[i];
+        }
+      }
+      for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] + extra;
+      if (!encode) {
+        if (had.B > 1) had.inverse(acc, len);
+        std::memcpy(result.data_ptr<float>() + c0, acc, len * sizeof(float));
+        continue;
+      }
+      const int64_t col = c0 - e * rowlen;
+      if (e == own_seg) std::memcpy(own_out.data_ptr<float>() + col, acc, len * sizeof(float));
+      uint8_t* row = result.data_ptr<uint8_t>() + e * result.size(1);
+      const int64_t ecb = enc.code_bytes(rowlen);
+      for (int64_t g0 = 0; g0 < len; g0 += enc.G) {
+        const int64_t gi = (col + g0) / enc.G;
+        flag |= !quantize_group(acc + g0, std::min<int64_t>(enc.G, len - g0), enc, row + enc.group_code_offset(gi),
+                                row + ecb + gi * enc.scale_size, static_cast<uint32_t>(seed),
+                                static_cast<uint64_t>(c0 + g0));
+      }
+    }
+    if (flag) nonfinite.store(true, std::memory_order_relaxed);
+  });
+  return {result, own_out, at::scalar_tensor(nonfinite.load(), opts.dtype(at::kBool))};
+}
+
+}  // namespace
+}  // namespace sdpq
+
+TORCH_LIBRARY_IMPL(sdpq, CPU, m) {
+  m.impl("encode_rows", &sdpq::encode_rows);
+  m.impl("decode_rows", &sdpq::decode_rows);
+  m.impl("reduce_rows", &sdpq::reduce_rows);
+}
