@@ -3,7 +3,10 @@ master weights (Collage): DESIGN.md section 4.
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias correction, same operation
 order), evaluated in fp32 chunk by chunk: decode m and v, update them, encode them back, apply
-the step. ``states="fp32", master="native"`` therefore reproduces torch.optim.AdamW.
+the step. ``states="fp32", master="native"`` therefore reproduces torch.optim.AdamW. This
+PyTorch path is the reference; on CPU each parameter's step runs as one C++ kernel instead
+(``sdpq.kernels.adamw_ops``: bitwise equal without FP8 states, within log2 / exp2 rounding with
+them), on CUDA the default layout as one Triton kernel.
 
 State is keyed by the parameter tensor itself, like every torch optimizer: DeepSpeed ZeRO-3
 puts the same flat partition tensor into ``param_groups`` for each step() (and reads
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels import adamw_ops
 from ..quant import mcf
 from ..quant.fused import uses_kernels
 from . import checkpoint, guard, states
@@ -25,6 +29,19 @@ __all__ = ["AdamW"]
 _STATES = ("fp8", "bf16", "fp32")
 _MASTERS = ("mcf", "native")
 _V_FORMATS = ("e4m3", "e5m2")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _op_format(st: dict, name: str, fp8_fmt: str) -> str | None:
+    """The adamw_step format name of a stored state (None: a format the kernels do not take)."""
+    return {"fp8": fp8_fmt, "bf16": "bf16", "fp32": "fp32", "pair": "pair"}.get(states.stored_format(st, name))
+
+
+def _op_tensors(st: dict, name: str, n_rows: int) -> list[Tensor]:
+    """The storage of a state as adamw_step takes it: 2-D row views, metadata [rows, groups]."""
+    fmt = states.stored_format(st, name)
+    return [st[k].reshape(n_rows, -1) if states.is_metadata_key(k) else rows(st[k])
+            for k in states.storage_keys(name, fmt)]
 
 
 def _check_group(group: dict) -> None:
@@ -90,8 +107,9 @@ class AdamW(torch.optim.Optimizer):
         self.on_nonfinite = guard.check_on_nonfinite(on_nonfinite)
         self.sync_group = sync_group
         self.skipped_steps = 0
-        # On CUDA the default layout steps in one fused kernel (sdpq.kernels.adamw); False forces
-        # the PyTorch path (the reference; benchmarks time both).
+        # One fused kernel per parameter: on CPU every layout (C++, sdpq.kernels.adamw_ops), on
+        # CUDA the default one (Triton, sdpq.kernels.adamw); False forces the PyTorch path (the
+        # reference; benchmarks time both).
         self.kernels_enabled = True
         super().__init__(params, defaults)
 
@@ -161,6 +179,9 @@ class AdamW(torch.optim.Optimizer):
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         b1, b2 = group["betas"]
         G, vf8 = group["group_size"], group["v_format"]
+        if self._native_applies(pl, p.grad, st):
+            self._native_step(pl, local(p.grad), group, st, int(step))
+            return
         if self._fused_applies(pl, group, st):
             from ..kernels.adamw import adamw_fp8_mcf_step
 
@@ -208,6 +229,23 @@ class AdamW(torch.optim.Optimizer):
                 x.addcdiv_(m, denom, value=-step_size)
                 if x is not w:
                     w.copy_(x)
+
+    def _native_applies(self, pl: Tensor, grad: Tensor, st: dict) -> bool:
+        """The C++ step (sdpq.kernels.adamw_ops) covers every layout on CPU once built; it
+        leaves out only foreign state dtypes (e.g. fp16 states loaded from a checkpoint) and
+        parameters or gradients that are not fp32 / bf16 / fp16."""
+        return (self.kernels_enabled and pl.device.type == "cpu" and pl.dtype in _KERNEL_DTYPES
+                and local(grad).dtype in _KERNEL_DTYPES and _op_format(st, "exp_avg", "e4m3") not in (None, "pair")
+                and _op_format(st, "exp_avg_sq", "e4m3") is not None and adamw_ops.cpu_available())
+
+    def _native_step(self, pl: Tensor, grad: Tensor, group: dict, st: dict, step: int) -> None:
+        P = rows(pl)
+        b1, b2 = group["betas"]
+        torch.ops.sdpq.adamw_step(
+            P, rows(st["master_lo"]) if "master_lo" in st else None, grad.reshape(P.shape).contiguous(),
+            _op_tensors(st, "exp_avg", P.shape[0]), _op_tensors(st, "exp_avg_sq", P.shape[0]),
+            _op_format(st, "exp_avg", "e4m3"), _op_format(st, "exp_avg_sq", group["v_format"]), float(group["lr"]),
+            float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), step, group["group_size"])
 
     def _fused_applies(self, pl: Tensor, group: dict, st: dict) -> bool:
         """The one-kernel step (sdpq.kernels.adamw) covers the default layout on CUDA: E4M3

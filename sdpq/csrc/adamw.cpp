@@ -1,0 +1,403 @@
+// CPU kernel of sdpq::adamw_step: one step of sdpq.optim.AdamW for one parameter, every state
+// layout (the operator and its arguments are defined in sdpq/kernels/adamw_ops.py).
+//
+// The PyTorch path of sdpq/optim/adamw.py makes ~30 passes over memory per chunk (decode,
+// lerp, encode, ... each a tensor operation); here every state byte is read once and written
+// once. The parameter is cut into tiles of whole FP8 groups (~8K elements, several rows when
+// rows are short); a tile goes through fp32 buffers that stay in the L2 cache:
+//   g  <- the gradient
+//   m  <- decode, lerp toward g, encode back          (E4M3 / E5M2 with COAT expansion, bf16, fp32)
+//   v  <- decode, b2 v + (1 - b2) g^2, encode back    (the same formats, or an MCF bf16 pair)
+//   v  <- sqrt(v)                                      (see sqrt_inplace)
+//   w  <- w (1 - lr wd) - step_size m / denom          (native fp32 / bf16 / fp16 parameter)
+//      or Grow (w, lo) by the decay and the step       (MCF master: bf16 parameter + bf16 lo)
+// m and v enter the weight update unquantized, as in the reference.
+//
+// Every loop over elements is branch-free so that GCC vectorizes it (adamw_math.h): an encoded
+// FP8 value costs a polynomial log2 and exp2; a decoded one a lookup in per-group tables of
+// exp2 values (AVX2), else a table lookup of log2|code| and one exp2. The arithmetic is the
+// reference's (sdpq/optim/adamw.py, sdpq/quant/fp8.py, sdpq/quant/mcf.py) operation by operation,
+// in fp32 and in the same order, with torch's fused multiply-adds where its CPU kernels have them
+// (lerp, addcmul, add with alpha) and none elsewhere (the build uses -ffp-contract=off). Hence
+//   - without FP8 states the step equals the reference bitwise (and, with fp32 states and a
+//     native fp32 master, torch.optim.AdamW's single-tensor step): no log2 / exp2 is involved;
+//   - with FP8 states it differs by the rounding of log2 / exp2 (torch's come from MKL / Sleef):
+//     decoded values agree to ~2^-19 relative, and a code may land one FP8 step away.
+// Tiles are independent, so the result does not depend on the number of threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/sqrt_cpu_dispatch.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "adamw_math.h"
+
+namespace sdpq {
+namespace adamw {
+namespace {
+
+constexpr int64_t kTile = 8192;  // elements per tile (three fp32 buffers: 96 KiB)
+
+enum class Fmt { kE4M3, kE5M2, kBF16, kFP32, kPair };
+
+bool is_fp8(Fmt f) { return f == Fmt::kE4M3 || f == Fmt::kE5M2; }
+
+Fmt parse_format(c10::string_view s, const char* which) {
+  if (s == "e4m3") return Fmt::kE4M3;
+  if (s == "e5m2") return Fmt::kE5M2;
+  if (s == "bf16") return Fmt::kBF16;
+  if (s == "fp32") return Fmt::kFP32;
+  if (s == "pair") return Fmt::kPair;
+  TORCH_CHECK(false, "adamw_step: ", which, "='", std::string(s), "'; allowed: e4m3, e5m2, bf16, fp32, pair");
+}
+
+// The step's scalars, rounded to fp32 exactly where the reference's tensor operations round
+// its Python floats (computed in double first, as Python does).
+struct Hyper {
+  float lerp_w;                // m.lerp_(g, 1 - b1)
+  float b2, c2;                // v.mul_(b2).addcmul_(g, g, value=1 - b2)
+  float b2_hi, b2_lo, b2_sum;  // mcf.split_scalar(b2) and b2_hi + b2_lo (pair v)
+  float bc2, eps, neg_step;    // denom = sqrt(v) / bc2 + eps; step = -step_size m / denom
+  float decay, neg_lr_wd;      // native: w (1 - lr wd); MCF: + (w + lo) (-lr wd)
+  bool wd;
+};
+
+Hyper make_hyper(double lr, double b1, double b2, double eps, double wd, int64_t step) {
+  const double t = static_cast<double>(step);
+  const double step_size = lr / (1 - std::pow(b1, t));
+  const double bc2 = std::pow(1 - std::pow(b2, t), 0.5);
+  const float b2f = static_cast<float>(b2);
+  const float hi = round_bf16(b2f), lo = b2f - hi;
+  return {static_cast<float>(1 - b1), b2f, static_cast<float>(1 - b2), hi, lo,
+          static_cast<float>(static_cast<double>(hi) + lo), static_cast<float>(bc2), static_cast<float>(eps),
+          static_cast<float>(-step_size), static_cast<float>(1 - lr * wd), static_cast<float>(-lr * wd), wd != 0};
+}
+
+// One moment's storage ([rows, cols]; FP8 metadata [rows, groups]).
+struct Moment {
+  Fmt fmt;
+  uint8_t* codes = nullptr;
+  float *scale = nullptr, *k = nullptr, *gm = nullptr;
+  int64_t groups = 0;
+  float* f32 = nullptr;
+  uint16_t *hi = nullptr, *lo = nullptr;  // bf16 state, or the pair's two halves
+};
+
+void check_like(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == shape && t.is_contiguous(),
+              "adamw_step: ", what, " must be a contiguous CPU ", dtype, " tensor of shape ", shape, ", got ",
+              t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+Moment make_moment(at::TensorList t, Fmt fmt, int64_t R, int64_t C, int64_t G, const char* name) {
+  const size_t want = is_fp8(fmt) ? 4 : fmt == Fmt::kPair ? 2 : 1;
+  TORCH_CHECK(t.size() == want, "adamw_step: ", name, " needs ", want, " tensors for its format, got ", t.size());
+  Moment s{fmt};
+  switch (fmt) {
+    case Fmt::kE4M3:
+    case Fmt::kE5M2:
+      s.groups = (C + G - 1) / G;
+      check_like(t[0], {R, C}, at::kByte, "FP8 codes");
+      for (size_t i = 1; i < 4; ++i) check_like(t[i], {R, s.groups}, at::kFloat, "FP8 metadata");
+      s.codes = t[0].data_ptr<uint8_t>();
+      s.scale = t[1].data_ptr<float>();
+      s.k = t[2].data_ptr<float>();
+      s.gm = t[3].data_ptr<float>();
+      break;
+    case Fmt::kFP32:
+      check_like(t[0], {R, C}, at::kFloat, name);
+      s.f32 = t[0].data_ptr<float>();
+      break;
+    case Fmt::kPair:
+      check_like(t[1], {R, C}, at::kBFloat16, name);
+      s.lo = bf16_ptr(t[1]);
+      [[fallthrough]];
+    case Fmt::kBF16:
+      check_like(t[0], {R, C}, at::kBFloat16, name);
+      s.hi = bf16_ptr(t[0]);
+      break;
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------- element types
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return bf16_to_float(x.x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <class T>
+inline T from_float(float x) { return T(x); }
+template <>
+inline c10::BFloat16 from_float(float x) { return c10::BFloat16(float_to_bf16(x), c10::BFloat16::from_bits()); }
+
+template <class T>
+void load(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// fn(T{}) for the element type of a float32 / bfloat16 / float16 tensor.
+template <class Fn>
+void dispatch_float(at::ScalarType t, const char* what, const Fn& fn) {
+  switch (t) {
+    case at::kFloat:
+      return fn(float{});
+    case at::kBFloat16:
+      return fn(c10::BFloat16{});
+    case at::kHalf:
+      return fn(c10::Half{});
+    default:
+      TORCH_CHECK(false, "adamw_step: ", what, " has dtype ", t, "; allowed: float32, bfloat16, float16");
+  }
+}
+
+// ---------------------------------------------------------------------------- moment updates
+
+struct FirstMoment {  // m.lerp_(g, w): torch's formula for w < 0.5 and for w >= 0.5
+  float w;
+  void operator()(float* x, const float* g, int64_t n) const {
+    if (std::fabs(w) < 0.5f) {
+      for (int64_t i = 0; i < n; ++i) x[i] = fmadd(w, g[i] - x[i], x[i]);
+    } else {
+      const float c = w - 1.0f;
+      for (int64_t i = 0; i < n; ++i) x[i] = fmadd(c, g[i] - x[i], g[i]);
+    }
+  }
+};
+
+struct SecondMoment {  // v.mul_(b2).addcmul_(g, g, value=c2)
+  float b2, c2;
+  void operator()(float* x, const float* g, int64_t n) const {
+    for (int64_t i = 0; i < n; ++i) x[i] = fmadd(c2 * g[i], g[i], x[i] * b2);
+  }
+};
+
+// ---------------------------------------------------------------------------- tiles
+
+// Tiles: whole rows (rows_per of them) when a row fits in kTile, else row segments of `width`
+// columns, a multiple of the group size. Either way a tile is contiguous in memory.
+struct Tiling {
+  int64_t R, C, G, width, rows_per, per_row, count;
+
+  Tiling(int64_t R_, int64_t C_, int64_t G_) : R(R_), C(C_), G(G_) {
+    const int64_t cap = capacity();
+    width = C <= cap ? C : cap / G * G;
+    rows_per = C <= cap ? cap / C : 1;
+    per_row = (C + width - 1) / width;
+    count = (R + rows_per - 1) / rows_per * per_row;
+  }
+  int64_t capacity() const { return std::max(kTile, G); }
+};
+
+struct Tile {
+  int64_t r0, r1, c0, c1;
+  int64_t offset(int64_t C) const { return r0 * C + c0; }
+  int64_t numel() const { return (r1 - r0) * (c1 - c0); }
+};
+
+// Per-thread fp32 buffers of one tile: gradient, m, v, and 4 floats per FP8 group of a row.
+struct Scratch {
+  std::vector<float> data;
+  float *g, *m, *v, *groups;
+  explicit Scratch(const Tiling& t) : data(3 * t.capacity() + 4 * ((t.width + t.G - 1) / t.G)) {
+    g = data.data();
+    m = g + t.capacity();
+    v = m + t.capacity();
+    groups = v + t.capacity();
+  }
+};
+
+Tile tile_at(const Tiling& t, int64_t i) {
+  const int64_t r0 = i / t.per_row * t.rows_per, c0 = i % t.per_row * t.width;
+  return {r0, std::min(t.R, r0 + t.rows_per), c0, std::min(t.C, c0 + t.width)};
+}
+
+// One FP8 moment over a tile, row by row: decode, update, encode back. tmp: 4 floats per group.
+template <class F, class Update>
+void fp8_moment(const Moment& s, const Tiling& t, const Tile& tile, const float* g, float* x, float* tmp,
+                const Update& update) {
+  const int64_t W = tile.c1 - tile.c0, G = t.G, groups = (W + G - 1) / G;
+  float *inv_k = tmp, *bias = tmp + groups, *mx = tmp + 2 * groups, *mn = tmp + 3 * groups;
+  for (int64_t r = tile.r0; r < tile.r1; ++r) {
+    const int64_t meta = r * s.groups + tile.c0 / G;
+    uint8_t* codes = s.codes + r * t.C + tile.c0;
+    float* xr = x + (r - tile.r0) * W;
+    decode_constants(s.scale + meta, s.k + meta, s.gm + meta, groups, inv_k, bias);
+    for (int64_t j = 0; j < groups; ++j) {
+      decode_group<F>(codes + j * G, std::min(G, W - j * G), inv_k[j], bias[j], xr + j * G);
+    }
+    update(xr, g + (r - tile.r0) * W, W);
+    for (int64_t j = 0; j < groups; ++j) group_range(xr + j * G, std::min(G, W - j * G), mx + j, mn + j);
+    encode_constants<F>(mx, mn, groups, s.scale + meta, s.k + meta, s.gm + meta, bias);
+    for (int64_t j = 0; j < groups; ++j) {
+      encode_group<F>(xr + j * G, std::min(G, W - j * G), s.k[meta + j], bias[j], codes + j * G);
+    }
+  }
+}
+
+// Decode the tile's moment into x, update it, encode it back (x keeps the unquantized value).
+template <class Update>
+void moment_step(const Moment& s, const Tiling& t, const Tile& tile, const float* g, float* x, float* tmp,
+                 const Update& update) {
+  const int64_t off = tile.offset(t.C), n = tile.numel();
+  if (s.fmt == Fmt::kE4M3) {
+    fp8_moment<E4M3>(s, t, tile, g, x, tmp, update);
+  } else if (s.fmt == Fmt::kE5M2) {
+    fp8_moment<E5M2>(s, t, tile, g, x, tmp, update);
+  } else if (s.fmt == Fmt::kBF16) {
+    for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_float(s.hi[off + i]);
+    update(x, g, n);
+    for (int64_t i = 0; i < n; ++i) s.hi[off + i] = float_to_bf16(x[i]);
+  } else {  // fp32 (a pair v takes pair_second_moment)
+    std::memcpy(x, s.f32 + off, n * sizeof(float));
+    update(x, g, n);
+    std::memcpy(s.f32 + off, x, n * sizeof(float));
+  }
+}
+
+struct Bf16Pair {
+  uint16_t hi, lo;
+};
+
+// Collage Grow (mcf.grow_): (h, l) += d, the rounding error of hi kept in lo. Any NaN or inf
+// along the way makes both outputs NaN, as in the reference: only they need the NaN test.
+SDPQ_ADAMW_INLINE Bf16Pair grow(float h, float l, float d) {
+  const float s = round_bf16_unchecked(h + d);
+  const float l1 = round_bf16_unchecked(l + (d - (s - h)));
+  const float hi = round_bf16(s + l1);
+  return {static_cast<uint16_t>(bits_of(hi) >> 16), float_to_bf16(l1 - (hi - s))};
+}
+
+// v as an MCF pair: mcf.mul_ by (b2_hi + b2_lo) with the product error kept, then mcf.grow_ by
+// (1 - b2) g^2; x = hi + lo.
+void pair_second_moment(const Moment& s, int64_t off, int64_t n, const float* g, float* x, const Hyper& h) {
+  uint16_t* hi = s.hi + off;
+  uint16_t* lo = s.lo + off;
+  for (int64_t i = 0; i < n; ++i) {
+    const float vh = bf16_to_float(hi[i]), vl = bf16_to_float(lo[i]);
+    const float p = vh * h.b2_hi + (vh * h.b2_lo + vl * h.b2_sum);
+    const float ph = round_bf16_unchecked(p);
+    const Bf16Pair q = grow(ph, round_bf16_unchecked(p - ph), (g[i] * g[i]) * h.c2);
+    hi[i] = q.hi;
+    lo[i] = q.lo;
+    x[i] = bf16_to_float(q.hi) + bf16_to_float(q.lo);
+  }
+}
+
+// sqrt(v) in place. With FP8 states the step cannot match the reference bitwise anyway, and the
+// IEEE sqrt is both exact and fast; otherwise torch's own sqrt, which on MKL builds is not the
+// correctly rounded one, so that fp32 / bf16 states match the reference (and fp32 ones
+// torch.optim.AdamW) bitwise.
+void sqrt_inplace(float* v, int64_t n, bool ieee) {
+  if (ieee) {
+    for (int64_t i = 0; i < n; ++i) v[i] = std::sqrt(v[i]);
+    return;
+  }
+  at::Tensor t = at::from_blob(v, {n}, at::TensorOptions().dtype(at::kFloat));
+  at::cpu::sqrt_(t);
+}
+
+// ---------------------------------------------------------------------------- weights
+
+// Native master: w.mul_(1 - lr wd) (when wd != 0); w.addcdiv_(m, denom, value=-step_size).
+template <bool kDecay, class T>
+void native_weights(T* w, const float* m, const float* sq, int64_t n, const Hyper& h) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = kDecay ? to_float(w[i]) * h.decay : to_float(w[i]);
+    const float denom = sq[i] / h.bc2 + h.eps;
+    w[i] = from_float<T>(x + (h.neg_step * m[i]) / denom);
+  }
+}
+
+// MCF master: one Grow of (w, lo) by -step_size m / denom [- lr wd (w + lo)].
+template <bool kDecay>
+void mcf_weights(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int64_t n, const Hyper& h) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float denom = sq[i] / h.bc2 + h.eps;
+    const float hi = bf16_to_float(w[i]), l = bf16_to_float(lo[i]);
+    const float d = (m[i] / denom) * h.neg_step;
+    const Bf16Pair q = grow(hi, l, kDecay ? fmadd(hi + l, h.neg_lr_wd, d) : d);
+    w[i] = q.hi;
+    lo[i] = q.lo;
+  }
+}
+
+// The weight update of one tile (m and sq = sqrt(v) in fp32).
+void weights(const at::Tensor& param, const at::Tensor& lo, int64_t off, int64_t n, const float* m,
+             const float* sq, const Hyper& h) {
+  if (lo.defined()) {
+    uint16_t *w = bf16_ptr(param) + off, *l = bf16_ptr(lo) + off;
+    h.wd ? mcf_weights<true>(w, l, m, sq, n, h) : mcf_weights<false>(w, l, m, sq, n, h);
+    return;
+  }
+  dispatch_float(param.scalar_type(), "param", [&](auto t) {
+    auto* w = param.data_ptr<decltype(t)>() + off;
+    h.wd ? native_weights<true>(w, m, sq, n, h) : native_weights<false>(w, m, sq, n, h);
+  });
+}
+
+// ---------------------------------------------------------------------------- the step
+
+struct Step {
+  at::Tensor param, lo, grad;
+  Moment m, v;
+  Hyper h;
+  Tiling tiling;
+};
+
+void step_tile(const Step& s, const Tile& tile, const Scratch& b) {
+  const int64_t off = tile.offset(s.tiling.C), n = tile.numel();
+  dispatch_float(s.grad.scalar_type(), "grad", [&](auto t) {
+    load(s.grad.data_ptr<decltype(t)>() + off, n, b.g);
+  });
+  moment_step(s.m, s.tiling, tile, b.g, b.m, b.groups, FirstMoment{s.h.lerp_w});
+  if (s.v.fmt == Fmt::kPair) {
+    pair_second_moment(s.v, off, n, b.g, b.v, s.h);
+  } else {
+    moment_step(s.v, s.tiling, tile, b.g, b.v, b.groups, SecondMoment{s.h.b2, s.h.c2});
+  }
+  sqrt_inplace(b.v, n, is_fp8(s.m.fmt) || is_fp8(s.v.fmt));
+  weights(s.param, s.lo, off, n, b.m, b.v, s.h);
+}
+
+void adamw_step(const at::Tensor& param, const std::optional<at::Tensor>& param_lo, const at::Tensor& grad,
+                at::TensorList exp_avg, at::TensorList exp_avg_sq, c10::string_view m_format,
+                c10::string_view v_format, double lr, double beta1, double beta2, double eps, double weight_decay,
+                int64_t step, int64_t group_size) {
+  TORCH_CHECK(param.dim() == 2, "adamw_step: param must be 2-D (rows x cols), got ", param.sizes());
+  TORCH_CHECK(group_size >= 1, "adamw_step: group_size=", group_size, "; must be >= 1");
+  const int64_t R = param.size(0), C = param.size(1);
+  dispatch_float(param.scalar_type(), "param", [](auto) {});
+  dispatch_float(grad.scalar_type(), "grad", [](auto) {});
+  check_like(param, {R, C}, param.scalar_type(), "param");
+  check_like(grad, {R, C}, grad.scalar_type(), "grad");
+  at::Tensor lo;
+  if (param_lo) {
+    TORCH_CHECK(param.scalar_type() == at::kBFloat16, "adamw_step: an MCF master (param_lo) needs a bfloat16 param");
+    check_like(*param_lo, {R, C}, at::kBFloat16, "param_lo");
+    lo = *param_lo;
+  }
+  const Fmt fm = parse_format(m_format, "m_format");
+  TORCH_CHECK(fm != Fmt::kPair, "adamw_step: m_format='pair' is not a layout of sdpq.optim.AdamW");
+  const Moment m = make_moment(exp_avg, fm, R, C, group_size, "exp_avg");
+  const Moment v = make_moment(exp_avg_sq, parse_format(v_format, "v_format"), R, C, group_size, "exp_avg_sq");
+  if (R * C == 0) return;
+  const Step s{param, lo, grad, m, v, make_hyper(lr, beta1, beta2, eps, weight_decay, step), Tiling(R, C, group_size)};
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (s.tiling.rows_per * s.tiling.width));
+  at::parallel_for(0, s.tiling.count, grain, [&](int64_t begin, int64_t end) {
+    const Scratch buffers(s.tiling);
+    for (int64_t i = begin; i < end; ++i) step_tile(s, tile_at(s.tiling, i), buffers);
+  });
+}
+
+}  // namespace
+}  // namespace adamw
+}  // namespace sdpq
+
+TORCH_LIBRARY_IMPL(sdpq, CPU, m) { m.impl("adamw_step", &sdpq::adamw::adamw_step); }

@@ -1,0 +1,358 @@
+// Building blocks of the fused AdamW step (adamw.cpp): scalar helpers that are branch-free
+// (selects, bit operations, polynomials) so that the loops calling them vectorize under -O3
+// -march=native -- bf16 and FP8 rounding on the fp32 bits, log2 / exp2 within about 1 ulp
+// (torch's come from MKL or Sleef, the C library's are scalar calls) -- and, built on them, the
+// FP8 group codec of sdpq/quant/fp8.py (COAT expansion) for one row of groups at a time.
+// Internal linkage (an unnamed namespace): no calls through the PLT in the shared library, and
+// no clash with codec.cpp's helpers, which are built from the same folder.
+#pragma once
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+// Every helper is inlined: a call left in a loop would keep it from vectorizing.
+#define SDPQ_ADAMW_INLINE inline __attribute__((always_inline))
+
+namespace sdpq {
+namespace adamw {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+SDPQ_ADAMW_INLINE uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+SDPQ_ADAMW_INLINE float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// c ? a : b as a bitwise blend. GCC (with the default -ftrapping-math) moves float operations
+// that only one side of a ?: needs into a branch, and then does not vectorize the loop; with
+// both sides combined bitwise every operation stays unconditional.
+SDPQ_ADAMW_INLINE uint32_t select(bool c, uint32_t a, uint32_t b) {
+  const uint32_t keep = 0u - static_cast<uint32_t>(c);
+  return (a & keep) | (b & ~keep);
+}
+
+SDPQ_ADAMW_INLINE float select(bool c, float a, float b) { return float_of(select(c, bits_of(a), bits_of(b))); }
+
+// a * b + c rounded once, as torch's vectorized CPU kernels compute lerp, addcmul and add with
+// alpha (Vectorized::fmadd). The build uses -ffp-contract=off, so every other a * b + c here
+// rounds twice, like the reference's separate tensor operations.
+SDPQ_ADAMW_INLINE float fmadd(float a, float b, float c) {
+#ifdef __FP_FAST_FMAF
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// ---------------------------------------------------------------------------- bf16
+
+SDPQ_ADAMW_INLINE float bf16_to_float(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
+
+// Round to nearest even, NaN kept (as c10::BFloat16). The selects are between integers: nothing
+// a branch could hide.
+SDPQ_ADAMW_INLINE uint16_t float_to_bf16(float f) {
+  const uint32_t u = bits_of(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+// The same rounding without the NaN test, for intermediate values whose NaN is tested later: a
+// NaN produced by arithmetic (the default NaN, or one propagated from bf16 or torch tensors) has
+// zero low 16 bits and stays a NaN; only payloads 0x7FFF8000-0x7FFFFFFF (sign either) would not.
+SDPQ_ADAMW_INLINE float round_bf16_unchecked(float f) {
+  const uint32_t u = bits_of(f);
+  return float_of((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+SDPQ_ADAMW_INLINE float round_bf16(float f) { return f != f ? float_of(0x7FC00000u) : round_bf16_unchecked(f); }
+
+// ---------------------------------------------------------------------------- FP8
+
+// The two OCP formats as c10::Float8_e4m3fn / Float8_e5m2 encode them: mantissa bits, exponent
+// bias, smallest normal (as fp32 bits), the power of two whose addition rounds a subnormal to
+// the format's subnormal step, and the codes (sign excluded) that are not finite.
+struct E4M3 {
+  static constexpr float kMax = 448.0f;
+  static constexpr int kMant = 3, kBias = 7;
+  static constexpr uint32_t kMinNormal = 121u << 23;        // 2^-6
+  static constexpr float kDenormAdd = 16384.0f;              // 2^14: ulp 2^-9
+  static constexpr int kFirstSpecial = 0x7F, kInfCode = -1;  // 0x7F: NaN; no inf
+};
+
+struct E5M2 {
+  static constexpr float kMax = 57344.0f;
+  static constexpr int kMant = 2, kBias = 15;
+  static constexpr uint32_t kMinNormal = 113u << 23;           // 2^-14
+  static constexpr float kDenormAdd = 128.0f;                   // 2^7: ulp 2^-16
+  static constexpr int kFirstSpecial = 0x7C, kInfCode = 0x7C;  // 0x7C: inf, 0x7D-0x7F: NaN
+};
+
+// FP8 bits (sign excluded) of a magnitude a in [0, F::kMax], rounded to nearest even: c10's
+// conversion written as a select between its subnormal and normal branches, so equal to it on
+// these inputs.
+template <class F>
+SDPQ_ADAMW_INLINE uint32_t fp8_bits(float a) {
+  constexpr int kShift = 23 - F::kMant;
+  const uint32_t u = bits_of(a);
+  const uint32_t sub = bits_of(a + F::kDenormAdd) - bits_of(F::kDenormAdd);
+  const uint32_t normal = (u + (static_cast<uint32_t>(F::kBias - 127) << 23) + ((1u << (kShift - 1)) - 1u) +
+                           ((u >> kShift) & 1u)) >> kShift;
+  // a >= 0: a signed compare orders the bits (AVX2 has no unsigned one)
+  return select(static_cast<int32_t>(u) < static_cast<int32_t>(F::kMinNormal), sub, normal);
+}
+
+// ---------------------------------------------------------------------------- log2, exp2
+
+// log2(x) for finite x > 0 (subnormals included). x = 2^e m with m in [sqrt(1/2), sqrt(2))
+// (subnormal x are scaled by 2^23 first); log2(m) = t P(t^2) with t = (m - 1) / (m + 1),
+// |t| <= 0.172, P a minimax polynomial (relative error 7e-10). Within 1 ulp of the correctly
+// rounded value except near x = 1 (at most 3 ulp there, an absolute error below 2^-25).
+SDPQ_ADAMW_INLINE float log2_positive(float x) {
+  const bool tiny = static_cast<int32_t>(bits_of(x)) < 0x00800000;
+  const uint32_t u = bits_of(x * select(tiny, 0x1p23f, 1.0f));
+  const int32_t e = static_cast<int32_t>(u - 0x3F3504F3u) >> 23;  // 0x3F3504F3: sqrt(1/2)
+  const float m = float_of(u - (static_cast<uint32_t>(e) << 23));
+  const float t = (m - 1.0f) / (m + 1.0f);
+  const float t2 = t * t;
+  const float p = t * fmadd(fmadd(fmadd(0x1.ba18fap-2f, t2, 0x1.27471cp-1f), t2, 0x1.ec70e6p-1f), t2,
+                            0x1.715476p+1f);
+  return static_cast<float>(e - (tiny ? 23 : 0)) + p;
+}
+
+// log2(x) for x >= +0, +inf or NaN: log2(0) = -inf, log2(inf) = inf, NaN stays.
+SDPQ_ADAMW_INLINE float fast_log2(float x) {
+  const int32_t u = static_cast<int32_t>(bits_of(x));
+  const float special = select(u == 0, -kInf, x);
+  return select((u == 0) | (u >= 0x7F800000), special, log2_positive(x));
+}
+
+// 2^x = 2^n 2^f for |x| < 2^22: n = round(x) (nearest even, by the 1.5 * 2^23 shift) is
+// returned, f = x - n (exact, |f| <= 1/2) is stored; 2^f by a minimax polynomial (relative
+// error 2e-9). The result is within 1 ulp.
+SDPQ_ADAMW_INLINE int32_t exp2_split(float x, float& p) {
+  constexpr float kShift = 0x1.8p23f;
+  const float shifted = x + kShift;
+  const float f = x - (shifted - kShift);
+  p = fmadd(0x1.41fbbcp-13f, f, 0x1.5f3e54p-10f);
+  p = fmadd(p, f, 0x1.3b2d4cp-7f);
+  p = fmadd(p, f, 0x1.c6aee8p-5f);
+  p = fmadd(p, f, 0x1.ebfbdcp-3f);
+  p = fmadd(p, f, 0x1.62e430p-1f);
+  p = fmadd(p, f, 1.0f);
+  return static_cast<int32_t>(bits_of(shifted) - bits_of(kShift));
+}
+
+// 2^x for |x| <= 125, where the result is a normal number: 2^n goes into the exponent bits.
+SDPQ_ADAMW_INLINE float exp2_normal(float x) {
+  float p;
+  const int32_t n = exp2_split(x, p);
+  return float_of(bits_of(p) + (static_cast<uint32_t>(n) << 23));
+}
+
+// 2^x for any x: 2^n applied as two powers of two so that results in the subnormal range
+// round once and those past 2^128 overflow to inf. |x| > 200 (where the shift is no longer
+// exact) gives 0 or inf, NaN stays.
+SDPQ_ADAMW_INLINE float fast_exp2(float x) {
+  float p;
+  const uint32_t n = static_cast<uint32_t>(exp2_split(x, p));
+  const uint32_t n1 = static_cast<uint32_t>(static_cast<int32_t>(n) >> 1), n2 = n - n1;
+  const float r = p * float_of((n1 + 127u) << 23) * float_of((n2 + 127u) << 23);
+  const int32_t u = static_cast<int32_t>(bits_of(x)), a = u & 0x7FFFFFFF;
+  const float out = select(a > 0x7F800000, x, select(u < 0, 0.0f, kInf));
+  return select(a > 0x43480000, out, r);  // 0x43480000: 200
+}
+
+// ---------------------------------------------------------------------------- FP8 groups (sdpq/quant/fp8.py)
+
+template <class F>
+const float* log2_table() {  // log2|c| for every code (the sign is the code's bit 7)
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) {
+      using T = std::conditional_t<std::is_same_v<F, E4M3>, c10::Float8_e4m3fn, c10::Float8_e5m2>;
+      t[c] = std::log2(std::fabs(static_cast<float>(T(static_cast<uint8_t>(c), T::from_bits()))));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// Per group of a row: inv_k = 1 / k and bias = log2 s / k + log2 gm, NaN for a group whose
+// scale is not finite (it held inf/nan: it decodes to NaN everywhere, zeros included).
+void decode_constants(const float* s, const float* k, const float* gm, int64_t groups, float* __restrict inv_k,
+                      float* __restrict bias) {
+  for (int64_t j = 0; j < groups; ++j) {
+    const float ik = 1.0f / k[j];
+    const bool finite = (bits_of(s[j]) & 0x7FFFFFFFu) < 0x7F800000u;
+    inv_k[j] = ik;
+    bias[j] = select(finite, fast_log2(s[j]) * ik + fast_log2(gm[j]), kNaN);
+  }
+}
+
+// y = sign(c) |c s|^(1/k) gm = sign(c) exp2(log2|c| / k + bias), as dequantize_fp8.
+template <class F>
+void decode_elementwise(const uint8_t* c, int64_t n, float inv_k, float bias, float* y) {
+  const float* table = log2_table<F>();
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < n; ++i) y[i] = table[c[i]];  // a gather: not vectorized, but short
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t sign = static_cast<uint32_t>(c[i] & 0x80u) << 24;
+    y[i] = float_of(bits_of(fast_exp2(y[i] * inv_k + bias)) | sign);
+  }
+}
+
+#ifdef __AVX2__
+template <class F>
+struct FieldLog2 {  // log2(1 + m 2^-M) and log2(m 2^(1 - bias - M)) for each mantissa field m
+  float normal[8], sub[8];
+  FieldLog2() {
+    for (int i = 0; i < 8; ++i) {
+      const int m = i & ((1 << F::kMant) - 1);
+      normal[i] = static_cast<float>(std::log2(1.0 + std::ldexp(m, -F::kMant)));
+      sub[i] = static_cast<float>(std::log2(std::ldexp(m, 1 - F::kBias - F::kMant)));
+    }
+  }
+};
+
+// The same decoding with the exponent and mantissa fields apart: code (e, m) decodes to
+// 2^((e - bias_F) / k + bias) 2^(log2(1 + m 2^-M) / k), or 2^(log2(m 2^(1 - bias_F - M)) / k +
+// bias) for e = 0. The group's 2^(7-M) + 16 factors fill vector registers and every element is
+// looked up with vpermps: no exp2 and no gather per element (Zen 3 and older run gathers no
+// faster than scalar loads). The exponents round differently from exp2(log2|c| / k + bias), by
+// about |log2 y| ulp like the reference's own; the product adds ~2 ulp while every factor is a
+// normal number, so groups reaching below 2^-126 (or with a non-finite bias) are left to
+// decode_elementwise. Returns how many elements were decoded.
+template <class F>
+int64_t decode_avx2(const uint8_t* c, int64_t n, float inv_k, float bias, float* y) {
+  constexpr int M = F::kMant, kExponents = 1 << (7 - M), kChunks = kExponents / 8;
+  static const FieldLog2<F> fields;
+  alignas(32) float e_tab[kExponents], m_tab[8], s_tab[8];
+  for (int i = 0; i < kExponents; ++i) e_tab[i] = fast_exp2(static_cast<float>(i - F::kBias) * inv_k + bias);
+  for (int i = 0; i < 8; ++i) {
+    m_tab[i] = fast_exp2(fields.normal[i] * inv_k);
+    s_tab[i] = fast_exp2(fields.sub[i] * inv_k + bias);
+  }
+  if (!(std::isfinite(bias) && s_tab[1] >= 0x1p-126f)) return 0;  // s_tab[1]: the smallest value
+  __m256 e_vec[kChunks];
+  for (int j = 0; j < kChunks; ++j) e_vec[j] = _mm256_load_ps(e_tab + 8 * j);
+  const __m256 m_vec = _mm256_load_ps(m_tab), s_vec = _mm256_load_ps(s_tab);
+  const __m256i low7 = _mm256_set1_epi32(0x7F), mant = _mm256_set1_epi32((1 << M) - 1);
+  const __m256i last_finite = _mm256_set1_epi32(F::kFirstSpecial - 1), inf_code = _mm256_set1_epi32(F::kInfCode);
+  const __m256 special = _mm256_set1_ps(kNaN), inf = _mm256_set1_ps(kInf);
+  const auto mask = [](__m256i m) { return _mm256_castsi256_ps(m); };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i full = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i)));
+    const __m256i code = _mm256_and_si256(full, low7);
+    const __m256i m = _mm256_and_si256(code, mant), e = _mm256_srli_epi32(code, M), chunk = _mm256_srli_epi32(e, 3);
+    __m256 scale = _mm256_permutevar8x32_ps(e_vec[0], e);  // vpermps reads the low 3 bits of e
+    for (int j = 1; j < kChunks; ++j) {
+      scale = _mm256_blendv_ps(scale, _mm256_permutevar8x32_ps(e_vec[j], e),
+                               mask(_mm256_cmpeq_epi32(chunk, _mm256_set1_epi32(j))));
+    }
+    __m256 v = _mm256_mul_ps(scale, _mm256_permutevar8x32_ps(m_vec, m));
+    v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(s_vec, m), mask(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
+    const __m256 nonfinite = _mm256_blendv_ps(special, inf, mask(_mm256_cmpeq_epi32(code, inf_code)));
+    v = _mm256_blendv_ps(v, nonfinite, mask(_mm256_cmpgt_epi32(code, last_finite)));
+    const __m256i sign = _mm256_slli_epi32(_mm256_andnot_si256(low7, full), 24);
+    _mm256_storeu_ps(y + i, _mm256_or_ps(v, _mm256_castsi256_ps(sign)));
+  }
+  return i;
+}
+#endif
+
+template <class F>
+void decode_group(const uint8_t* c, int64_t n, float inv_k, float bias, float* y) {
+  int64_t done = 0;
+#ifdef __AVX2__
+  done = decode_avx2<F>(c, n, inv_k, bias, y);
+#endif
+  decode_elementwise<F>(c + done, n - done, inv_k, bias, y + done);
+}
+
+// max |x| (inf or NaN when the group holds one: NaN's bits order above inf's) and the minimum
+// over the non-zero |x|, on the bits: integer max / min reductions vectorize, float ones with
+// NaN do not. u - 1 sends zeros to the top so the minimum skips them.
+void group_range(const float* x, int64_t n, float* mx_out, float* mn_out) {
+  uint32_t mx = 0, mn = ~0u;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = bits_of(x[i]) & 0x7FFFFFFFu;
+    mx = u > mx ? u : mx;
+    mn = u - 1u < mn ? u - 1u : mn;
+  }
+  *mx_out = float_of(mx);
+  *mn_out = float_of(mn + 1u);
+}
+
+// quantize_fp8's expansion metadata of each group of a row from its range (mx, mn), stored in
+// place, and bias = -(k log2 gm + log2 s) (NaN for a non-finite group) for encode_group.
+template <class F>
+void encode_constants(const float* mx, const float* mn, int64_t groups, float* __restrict scale,
+                      float* __restrict k_out, float* __restrict gm_out, float* __restrict bias) {
+  // Python's 16 * (2 * math.log2(fmax) - 1) and math.log2(fmax), rounded to fp32 by torch
+  const float span = static_cast<float>(16 * (2 * std::log2(static_cast<double>(F::kMax)) - 1));
+  const float log2_fmax = static_cast<float>(std::log2(static_cast<double>(F::kMax)));
+  for (int64_t j = 0; j < groups; ++j) {
+    const uint32_t umx = bits_of(mx[j]);
+    const bool bad = umx >= 0x7F800000u;
+    const bool empty = (umx == 0) | bad;  // R = 1, k = 1, gm = 1
+    const float lmx = fast_log2(select(empty, 1.0f, mx[j])), lmn = fast_log2(select(empty, 1.0f, mn[j]));
+    const float log_r = lmx - lmn;
+    // floor(span / log_r) / 16 (torch's float / tensor is reciprocal * float), clamped to [1/16,
+    // 65536] below: past 2^21 the value no longer matters, and below it truncation is floor.
+    const float y = (1.0f / log_r) * span;
+    float k = static_cast<float>(static_cast<int32_t>(select(y > 0x1p21f, 0x1p21f, y))) / 16.0f;
+    k = select(log_r > 0.0f, k, 1.0f);
+    k = select(k < 1.0f / 16.0f, 1.0f / 16.0f, select(k > 65536.0f, 65536.0f, k));
+    const float gm = fast_exp2(0.5f * (lmx + lmn));
+    const float lgm = fast_log2(gm);
+    const float s = fast_exp2(k * (lmx - lgm) - log2_fmax);
+    scale[j] = select(bad, kNaN, s);
+    k_out[j] = k;
+    gm_out[j] = gm;
+    bias[j] = select(bad, kNaN, -(k * lgm + fast_log2(s)));
+  }
+}
+
+// code = fp8(sign(x) min(exp2(k log2|x| + bias), fmax)). For x != 0, k log2|x| + bias =
+// k (log2|x| - log2 mx) + log2 fmax lies in [1 - log2 fmax, log2 fmax] (k log2 R <= 2 log2 fmax
+// - 1): exp2 stays normal. Zeros (log2 = -inf in the reference) give code 0 with their sign; a
+// NaN bias (non-finite group) gives NaN codes, 0x7F | sign as torch converts NaN.
+template <class F>
+void encode_group(const float* x, int64_t n, float k, float bias, uint8_t* codes) {
+  if (bias != bias) {
+    for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(0x7Fu | ((bits_of(x[i]) >> 24) & 0x80u));
+    return;
+  }
+  const uint32_t fmax_bits = bits_of(F::kMax);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t ux = bits_of(x[i]) & 0x7FFFFFFFu;
+    const uint32_t mag = std::min(bits_of(exp2_normal(log2_positive(float_of(ux)) * k + bias)), fmax_bits);
+    const uint32_t code = select(ux == 0, 0u, fp8_bits<F>(float_of(mag)));
+    codes[i] = static_cast<uint8_t>(code | ((bits_of(x[i]) >> 24) & 0x80u));
+  }
+}
+
+}  // namespace
+}  // namespace adamw
+}  // namespace sdpq

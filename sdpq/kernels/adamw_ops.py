@@ -1,0 +1,68 @@
+"""One fused step of sdpq.optim.AdamW as a PyTorch operator: ``torch.ops.sdpq.adamw_step``.
+
+    CPU    C++ (``sdpq/csrc/adamw.cpp``, built at first use by ``native``): every state layout
+    CUDA   Triton (``sdpq.kernels.adamw``): E4M3 m and v, MCF master, a power-of-two group size
+    Meta   nothing to compute (the step is in place), so the operator traces under torch.compile
+
+    adamw_step(Tensor(a!) param, Tensor(b!)? param_lo, Tensor grad, Tensor(c!)[] exp_avg,
+               Tensor(d!)[] exp_avg_sq, str m_format, str v_format, float lr, float beta1,
+               float beta2, float eps, float weight_decay, int step, int group_size) -> ()
+
+All tensors are the 2-D row views (``sdpq.optim.layout.rows``) of one parameter's local
+tensors, contiguous, [rows, cols]; FP8 groups run along each row and the last group of a row
+may be partial. ``param``: float32 / bfloat16 / float16; ``param_lo``: the MCF compensation
+(bfloat16; then ``param`` is bfloat16 and the master is the pair), None for a native master.
+``grad``: float32 / bfloat16 / float16. A moment is given by its format and its storage
+tensors (``sdpq.optim.states``):
+
+    "e4m3" / "e5m2"   [codes uint8 [rows, cols], scale, k, gm float32 [rows, groups]]
+    "bf16" / "fp32"   [state [rows, cols]]
+    "pair"            [hi, lo] bfloat16 [rows, cols]  (second moment only)
+
+``step`` is the step number after its increment (bias corrections use it). The arithmetic is
+that of ``sdpq.optim.AdamW``'s PyTorch path, which stays the reference: bitwise without FP8
+states, within the rounding of log2 / exp2 with them (see the header of ``sdpq/csrc/adamw.cpp``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import native
+
+__all__ = ["cpu_available"]
+
+_LIB = torch.library.Library("sdpq", "FRAGMENT")  # noqa: TOR901 (the optimizer's share of the namespace)
+_LIB.define("adamw_step(Tensor(a!) param, Tensor(b!)? param_lo, Tensor grad, Tensor(c!)[] exp_avg, "
+            "Tensor(d!)[] exp_avg_sq, str m_format, str v_format, float lr, float beta1, float beta2, "
+            "float eps, float weight_decay, int step, int group_size) -> ()")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_available() -> bool:
+    """The C++ kernel is registered for CPU tensors (built now if needed)."""
+    return native.load("adamw")
+
+
+@torch.library.register_fake("sdpq::adamw_step")
+def _adamw_step_fake(param, param_lo, grad, exp_avg, exp_avg_sq, m_format, v_format, lr, beta1, beta2, eps,
+                     weight_decay, step, group_size):
+    return None
+
+
+def _adamw_step_cuda(param, param_lo, grad, exp_avg, exp_avg_sq, m_format, v_format, lr, beta1, beta2, eps,
+                     weight_decay, step, group_size):
+    if not (m_format == v_format == "e4m3" and param_lo is not None and group_size & (group_size - 1) == 0):
+        raise NotImplementedError(
+            f"sdpq::adamw_step on CUDA covers E4M3 m and v with an MCF master and a power-of-two group size "
+            f"(got m_format={m_format!r}, v_format={v_format!r}, MCF master: {param_lo is not None}, "
+            f"group_size={group_size}); use sdpq.optim.AdamW, whose PyTorch path covers every layout")
+    from .adamw import adamw_fp8_mcf_step
+
+    adamw_fp8_mcf_step(param, param_lo, grad, tuple(exp_avg), tuple(exp_avg_sq), lr=lr, b1=beta1, b2=beta2,
+                       eps=eps, wd=weight_decay, step=step, group_size=group_size)
+
+
+_LIB.impl("adamw_step", _adamw_step_cuda, "CUDA")
