@@ -20,6 +20,7 @@ _BENCHES = {
     "comm": ("sdpq.bench.comm", "wire bits and time of the collectives vs unquantized ones"),
     "optim": ("sdpq.bench.optim", "optimizer step time and bytes/param vs torch.optim.AdamW"),
     "scaling": ("sdpq.bench.scaling", "time model: predicted TFLOP/s on published clusters vs SDP4Bit"),
+    "step": ("sdpq.bench.step", "per-step time split (compute, codec, comm wait, optimizer) vs the bf16 baseline"),
 }
 
 
@@ -36,7 +37,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         json.dump(records, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        print_table(records, title=f"sdpq bench {args.bench}", columns=getattr(module, "COLUMNS", None))
+        print_table(records, title=getattr(module, "TITLE", f"sdpq bench {args.bench}"),
+                    columns=getattr(module, "COLUMNS", None))
     return 0
 
 

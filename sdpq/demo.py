@@ -2,9 +2,13 @@
 
 A small byte-level GPT trained on the Python standard library's source on 4 CPU ranks as
 2 simulated nodes x 2, four arms on the same seed and data: FSDP2 baseline, FSDP2 + sdpq,
-ZeRO-3 baseline, ZeRO-3 + sdpq. Each arm is its own ``torchrun`` job of ``python -m sdpq.train``
-(so no framework state leaks between arms). Prints one table, writes ``loss.png`` and
-``results.json`` (one record per arm) under ``--out`` (default ``runs/demo``).
+ZeRO-3 baseline, ZeRO-3 + sdpq. The baselines are what users run: bf16 mixed precision (FSDP2
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on fp32 parameters, ZeRO-3
+``"bf16": {"enabled": true}``); every ratio the demo prints is against them. Two optional arms,
+``fsdp2-fp32`` and ``zero3-fp32`` (``--arms``), train in fp32 as context only. Each arm is its own
+``torchrun`` job of ``python -m sdpq.train`` (so no framework state leaks between arms). Prints
+one table, writes ``loss.png`` and ``results.json`` (one record per arm) under ``--out``
+(default ``runs/demo``).
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-__all__ = ["add_arguments", "main", "ARMS"]
+__all__ = ["add_arguments", "main", "ARMS", "DEFAULT_ARMS", "PAIRS", "Arm", "arm_command"]
 
 # The baselines run sdpq's "exact" collectives with the framework's own optimizer: bitwise equal
 # to plain FSDP2 / ZeRO-3 (tests/integrations assert it), and their bytes are counted by the same
@@ -30,13 +35,36 @@ EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimize
 # The library's defaults, spelled out (an empty block would mean plain DeepSpeed): 4-bit weight
 # differences, 8/4-bit gradients with Hadamard, FP8 states + MCF master (which needs bf16).
 FULL = {section: {} for section in ("weights", "gradients", "optimizer")}
-# arm name -> (backend, sdpq block, bf16 parameters)
+
+
+@dataclass(frozen=True)
+class Arm:
+    backend: str  # "fsdp2" | "deepspeed"
+    sdpq: dict  # the sdpq block
+    bf16: bool  # bf16 parameters (sdpq's MCF master keeps bf16 weights + a bf16 compensation)
+    mixed_precision: str | None  # "bf16": bf16 compute policy (python -m sdpq.train --mixed-precision)
+    precision: str  # shown in the table
+
+    def train_args(self) -> list[str]:
+        return (["--bf16"] if self.bf16 else []) + (["--mixed-precision", self.mixed_precision]
+                                                    if self.mixed_precision else [])
+
+
+# Baselines: bf16 mixed precision as users run it. The sdpq arms compute with the same policy
+# (FSDP2: on bf16 parameters param_dtype=bf16 is a no-op and the fp32 reduce dtype applies, so
+# forward/backward run in bf16 and the gradients reach the reduce-scatter in fp32 in both arms).
 ARMS = {
-    "fsdp2": ("fsdp2", EXACT, False),
-    "fsdp2+sdpq": ("fsdp2", FULL, True),
-    "zero3": ("deepspeed", EXACT, False),
-    "zero3+sdpq": ("deepspeed", FULL, True),
+    "fsdp2": Arm("fsdp2", EXACT, False, "bf16", "bf16 mixed"),
+    "fsdp2+sdpq": Arm("fsdp2", FULL, True, "bf16", "bf16 + sdpq"),
+    "zero3": Arm("deepspeed", EXACT, False, "bf16", "bf16 mixed"),
+    "zero3+sdpq": Arm("deepspeed", FULL, True, "bf16", "bf16 + sdpq"),
+    # fp32 parameters and compute: context only, never a ratio's denominator unless labelled so.
+    "fsdp2-fp32": Arm("fsdp2", EXACT, False, None, "fp32 (context)"),
+    "zero3-fp32": Arm("deepspeed", EXACT, False, None, "fp32 (context)"),
 }
+DEFAULT_ARMS = ["fsdp2", "fsdp2+sdpq", "zero3", "zero3+sdpq"]
+# sdpq arm -> (its baseline, its fp32 context arm)
+PAIRS = {"fsdp2+sdpq": ("fsdp2", "fsdp2-fp32"), "zero3+sdpq": ("zero3", "zero3-fp32")}
 _STEP = re.compile(r"^step\s+(\d+)\s+loss\S*\s+([0-9.]+)")
 
 
@@ -50,20 +78,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS,
+                   help="default: the two bf16 baselines and their sdpq arms; fsdp2-fp32 / zero3-fp32 add fp32 "
+                        "runs as context")
     p.add_argument("--tail", type=int, default=10, help="final loss = mean of the last N steps")
 
 
-def _run_arm(name: str, args: argparse.Namespace, out: Path, progress: Progress, task) -> dict:
-    backend, block, bf16 = ARMS[name]
+def arm_command(name: str, args: argparse.Namespace, out: Path, *, block: dict | None | str = "arm",
+                extra: list[str] = ()) -> list[str]:
+    """The torchrun command line of arm `name` (its result goes to out/NAME.json). `args` holds the
+    demo's model and layout options; block: the sdpq block ("arm" = the arm's own, None = no block,
+    i.e. the plain framework); extra: more python -m sdpq.train arguments."""
+    arm = ARMS[name]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-           "-m", "sdpq.train", "--backend", backend, "--steps", str(args.steps), "--d-model", str(args.d_model),
+           "-m", "sdpq.train", "--backend", arm.backend, "--steps", str(args.steps), "--d-model", str(args.d_model),
            "--n-layer", str(args.n_layer), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
            "--lr", str(args.lr), "--ranks-per-node", str(args.ranks_per_node), "--log-every", "1",
            "--out", str(out / f"{name}.json")]
-    cfg = out / f"{name}.sdpq.json"
-    cfg.write_text(json.dumps(block))
-    cmd += ["--config", str(cfg)] + (["--bf16"] if bf16 else [])
+    block = arm.sdpq if block == "arm" else block
+    if block is not None:
+        cfg = out / f"{name}.sdpq.json"
+        cfg.write_text(json.dumps(block))
+        cmd += ["--config", str(cfg)]
+    return cmd + arm.train_args() + list(extra)
+
+
+def _run_arm(name: str, args: argparse.Namespace, out: Path, progress: Progress, task) -> dict:
+    cmd = arm_command(name, args, out)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log = (out / f"{name}.log").open("w", buffering=1)  # line-buffered: `tail -f` works
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -83,7 +124,8 @@ def _record(name: str, r: dict, tail: int) -> dict:
     comm = r.get("comm", {}).get("total", {})
     bits = {f"{path}_{link}_bits": v.get("bits_per_element") for path, links in comm.items()
             for link, v in links.items() if isinstance(v, dict) and v.get("bits_per_element") is not None}
-    return dict(arm=name, final_loss=sum(losses[-tail:]) / len(losses[-tail:]), val_loss=r["val_loss"],
+    return dict(arm=name, precision=ARMS[name].precision, final_loss=sum(losses[-tail:]) / len(losses[-tail:]),
+                val_loss=r["val_loss"],
                 cross_node_bytes_per_step=r["cross_node_bytes_per_step"],
                 optimizer_bytes_per_param=r["optimizer_bytes_per_param"], step_seconds=r["step_seconds"],
                 **bits, losses=losses)
@@ -110,22 +152,36 @@ def _plot(records: list[dict], path: Path) -> None:
 
 def _table(records: list[dict], console: Console) -> None:
     t = Table(title="sdpq demo (train loss = mean of the last steps; bytes and bits from sdpq.stats)")
-    cols = ["arm", "final_loss", "val_loss", "cross_node_bytes_per_step", "optimizer_bytes_per_param", "step_seconds"]
-    heads = ["arm", "train loss", "val loss", "cross-node B/step", "optim B/param", "s/step"]
+    cols = ["arm", "precision", "final_loss", "val_loss", "cross_node_bytes_per_step", "optimizer_bytes_per_param",
+            "step_seconds"]
+    heads = ["arm", "precision", "train loss", "val loss", "cross-node B/step", "optim B/param", "s/step"]
     extra = sorted({k for r in records for k in r if k.endswith("_bits")})
     for c, h in zip(cols + extra, heads + [e.removesuffix("_bits").replace("_", " ") + " bits" for e in extra]):
-        t.add_column(h, justify="left" if c == "arm" else "right")
+        t.add_column(h, justify="left" if c in ("arm", "precision") else "right")
     for r in records:
         t.add_row(*(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols + extra))
     console.print(t)
     by = {r["arm"]: r for r in records}
-    for base, ours in (("fsdp2", "fsdp2+sdpq"), ("zero3", "zero3+sdpq")):
-        if base in by and ours in by:
-            b, o = by[base], by[ours]
-            ratio = o["cross_node_bytes_per_step"] / b["cross_node_bytes_per_step"] if b["cross_node_bytes_per_step"] else float("nan")
-            console.print(f"{ours}: final loss ratio {o['final_loss'] / b['final_loss']:.4f}, "
-                          f"val loss ratio {o['val_loss'] / b['val_loss']:.4f}, cross-node bytes ratio {ratio:.3f}, "
-                          f"optimizer bytes/param {o['optimizer_bytes_per_param']:.2f} vs {b['optimizer_bytes_per_param']:.2f}")
+
+    def ratios(o: dict, b: dict) -> str:
+        def r(key: str) -> float:
+            return o[key] / b[key] if b[key] else float("nan")
+
+        return (f"cross-node bytes ratio {r('cross_node_bytes_per_step'):.3f}, step time ratio "
+                f"{r('step_seconds'):.2f}, optimizer bytes/param {o['optimizer_bytes_per_param']:.2f} vs "
+                f"{b['optimizer_bytes_per_param']:.2f}")
+
+    for ours, (base, context) in PAIRS.items():
+        if ours not in by:
+            continue
+        o = by[ours]
+        if base in by:
+            b = by[base]
+            console.print(f"{ours} vs {base} (bf16 mixed precision): final loss ratio "
+                          f"{o['final_loss'] / b['final_loss']:.4f}, val loss ratio "
+                          f"{o['val_loss'] / b['val_loss']:.4f}, " + ratios(o, b))
+        if context in by:
+            console.print(f"{ours} vs {context} (fp32, context only): " + ratios(o, by[context]))
 
 
 def main(args: argparse.Namespace) -> int:

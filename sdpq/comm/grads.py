@@ -30,6 +30,7 @@ from ..quant import QuantSpec
 from ..quant.fused import decode_rows, encode_rows, poison_scales_, reduce_rows
 from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
+from . import timing
 from ._exchange import all_to_all_rows, reduce_scatter_flat
 from ._rng import generator_state, restore_generator
 from .stats import CommStats, Recorder
@@ -99,15 +100,16 @@ class GradReduceScatter:
         if out is not None and out.numel() != self.chunk_numel:
             raise ValueError(f"out has {out.numel()} elements; expected chunk_numel {self.chunk_numel}")
         dtype = out.dtype if out is not None else x.dtype
-        if self.config.mode == "exact":
-            result = self._exact(x.detach().reshape(-1))
-        else:
-            result = self._two_level(x.detach().reshape(-1))
-        self.calls += 1
-        if out is None:
-            return result.to(dtype)
-        out.view(-1).copy_(result)
-        return out
+        with timing.span("grads.reduce_scatter"):
+            if self.config.mode == "exact":
+                result = self._exact(x.detach().reshape(-1))
+            else:
+                result = self._two_level(x.detach().reshape(-1))
+            self.calls += 1
+            if out is None:
+                return result.to(dtype)
+            out.view(-1).copy_(result)
+            return out
 
     __call__ = reduce_scatter
 
@@ -149,7 +151,8 @@ class GradReduceScatter:
         if N == 1:
             return buf
         res = torch.empty(cn, dtype=x.dtype, device=x.device)
-        reduce_scatter_flat(res, buf, topo.world_group)
+        with timing.span("comm.grads"):
+            reduce_scatter_flat(res, buf, topo.world_group)
         item = x.element_size()
         for link, elems in self._world_elems.items():
             if elems:
@@ -189,17 +192,21 @@ class GradReduceScatter:
         def issue_intra(j: int):
             Xj = X[:, j * S:(j + 1) * S]
             if L == 1:  # no intra stage: the "node partial" is the rank's own (transformed) rows
-                return (_hadamard(Xj, *had) if had else Xj), None, None, None
+                with timing.span("grads.encode"):
+                    return (_hadamard(Xj, *had) if had else Xj), None, None, None
             # Wire row l' = chunks {n' * L + l'} of this slice (segments of one row, in node order).
-            wire, own, bad = encode_rows(Xj, self.intra_spec, segments=nodes, hadamard=had, own_row=l, generator=gen)
-            poison_scales_(wire, self.intra_spec, nodes * S, bad)
+            with timing.span("grads.encode"):
+                wire, own, bad = encode_rows(Xj, self.intra_spec, segments=nodes, hadamard=had, own_row=l,
+                                             generator=gen)
+                poison_scales_(wire, self.intra_spec, nodes * S, bad)
             if sample:
                 seg = (_hadamard(Xj, *had) if had else Xj).reshape(nodes, L, S).transpose(0, 1)
                 got = decode_rows(wire, self.intra_spec, nodes * S, torch.empty(L, nodes * S, device=x.device))
                 others = [k for k in range(L) if k != l]
                 self._rec.record_error("gradients", "intra",
                                        _rel_err(got[others], seg[others].reshape(L - 1, nodes * S)))
-            recv, work = all_to_all_rows(wire, topo.intra_group, async_op=True)
+            with timing.span("comm.grads"):
+                recv, work = all_to_all_rows(wire, topo.intra_group, async_op=True)
             return own, recv, work, bad
 
         def finish_intra(state):
@@ -207,14 +214,16 @@ class GradReduceScatter:
             own, recv, work, bad = state
             if recv is None:
                 return own, None, None, None
-            work.wait()
-            if nodes > 1 and fused_inter:
-                wire, own_p, bad2 = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad,
-                                                encode_spec=self.inter_spec, encode_numel=S, own_seg=node,
-                                                generator=gen)
-                return None, wire, own_p, bad2
-            P = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad,
-                            hadamard=had if nodes == 1 else None)
+            with timing.span("comm.grads"):
+                work.wait()
+            with timing.span("grads.reduce"):  # decode + sum (+ re-encode for the inter stage)
+                if nodes > 1 and fused_inter:
+                    wire, own_p, bad2 = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad,
+                                                    encode_spec=self.inter_spec, encode_numel=S, own_seg=node,
+                                                    generator=gen)
+                    return None, wire, own_p, bad2
+                P = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad,
+                                hadamard=had if nodes == 1 else None)
             return P.view(nodes, S), None, None, None
 
         def issue_inter(j: int, state):
@@ -222,33 +231,39 @@ class GradReduceScatter:
             if nodes == 1:
                 return P, None, None, None
             if wire is None:  # unfused: error feedback / error sampling / no intra stage
-                if self.residual is not None:
-                    P = P + self.residual[:, j * S:(j + 1) * S]
-                wire, own, bad = encode_rows(P, self.inter_spec, own_row=node, generator=gen)
-                own_p = own[0]
-                if self.residual is not None or sample:
-                    deq = decode_rows(wire, self.inter_spec, S, torch.empty(nodes, S, device=x.device))
-                    deq = torch.where(bad, _NAN, deq)
-                    if sample:
-                        others = [m for m in range(nodes) if m != node]
-                        self._rec.record_error("gradients", "inter", _rel_err(deq[others], P[others]))
+                with timing.span("grads.encode"):
                     if self.residual is not None:
-                        res = P - deq
-                        res[node] = 0  # own row is summed exactly
-                        # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
-                        self.residual[:, j * S:(j + 1) * S] = torch.where(bad, 0.0, res)
-            poison_scales_(wire, self.inter_spec, S, bad)
-            recv, work = all_to_all_rows(wire, topo.inter_group, async_op=True)
+                        P = P + self.residual[:, j * S:(j + 1) * S]
+                    wire, own, bad = encode_rows(P, self.inter_spec, own_row=node, generator=gen)
+                    own_p = own[0]
+                    if self.residual is not None or sample:
+                        deq = decode_rows(wire, self.inter_spec, S, torch.empty(nodes, S, device=x.device))
+                        deq = torch.where(bad, _NAN, deq)
+                        if sample:
+                            others = [m for m in range(nodes) if m != node]
+                            self._rec.record_error("gradients", "inter", _rel_err(deq[others], P[others]))
+                        if self.residual is not None:
+                            res = P - deq
+                            res[node] = 0  # own row is summed exactly
+                            # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
+                            self.residual[:, j * S:(j + 1) * S] = torch.where(bad, 0.0, res)
+            with timing.span("grads.encode"):
+                poison_scales_(wire, self.inter_spec, S, bad)
+            with timing.span("comm.grads"):
+                recv, work = all_to_all_rows(wire, topo.inter_group, async_op=True)
             return own_p, recv, work, bad
 
         def finish_inter(j: int, state) -> None:
             own_p, recv, work, bad = state
             if recv is None:  # one node: own_p is the node partial (already inverse-transformed if L > 1)
                 y = own_p[0]
-                result[j * S:(j + 1) * S] = _inverse_hadamard(y, *had) if had and L == 1 else y
+                with timing.span("grads.reduce"):
+                    result[j * S:(j + 1) * S] = _inverse_hadamard(y, *had) if had and L == 1 else y
                 return
-            work.wait()
-            result[j * S:(j + 1) * S] = reduce_rows(recv, self.inter_spec, S, own_p, node, bad, hadamard=had)
+            with timing.span("comm.grads"):
+                work.wait()
+            with timing.span("grads.reduce"):  # decode + sum + inverse Hadamard
+                result[j * S:(j + 1) * S] = reduce_rows(recv, self.inter_spec, S, own_p, node, bad, hadamard=had)
 
         # Software pipeline: inter(j) is in flight while intra(j+1) is prepared and exchanged.
         intra_state = issue_intra(0)

@@ -26,6 +26,7 @@ import torch
 from ..config import StatsConfig, WeightsConfig
 from ..quant import QuantSpec
 from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
+from . import timing
 from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
 from .stats import CommStats, Recorder
@@ -98,29 +99,30 @@ class WeightGather:
         (`numel` elements, or `out`'s, which may hold numel or padded_numel elements)."""
         if shard.numel() > self.shard_numel:
             raise ValueError(f"shard has {shard.numel()} elements, more than shard_numel {self.shard_numel}")
-        dtype = out.dtype if out is not None else self.dtype
-        mode = self.config.mode
-        # Note: read the shard into a copy before writing `out` (FSDP2 passes a slice of out as
-        # the input). fp32 for the quantized modes (differences in fp32), the output dtype for
-        # the exact one (bitwise the plain gather, whatever the dtype).
-        w = torch.zeros(self.shard_numel, dtype=dtype if mode == "exact" else torch.float32, device=shard.device)
-        w[: shard.numel()] = shard.detach().reshape(-1)
-        wire_dtype = shard.dtype
-        if mode == "diff":
-            if self.dirty:
-                self._refresh(w, wire_dtype)
-            full = self._gather_reference(dtype)
-        elif mode == "direct":
-            full = self._gather_direct(w, dtype)
-        else:
-            full = self._gather_exact(w, dtype)
-        self.calls += 1
-        if out is None:
-            return full[: self.numel]
-        if out.numel() not in (self.numel, self.padded_numel):
-            raise ValueError(f"out has {out.numel()} elements; expected {self.numel} or {self.padded_numel}")
-        out.view(-1).copy_(full[: out.numel()])
-        return out
+        with timing.span("weights.gather"):
+            dtype = out.dtype if out is not None else self.dtype
+            mode = self.config.mode
+            # Note: read the shard into a copy before writing `out` (FSDP2 passes a slice of out as
+            # the input). fp32 for the quantized modes (differences in fp32), the output dtype for
+            # the exact one (bitwise the plain gather, whatever the dtype).
+            w = torch.zeros(self.shard_numel, dtype=dtype if mode == "exact" else torch.float32, device=shard.device)
+            w[: shard.numel()] = shard.detach().reshape(-1)
+            wire_dtype = shard.dtype
+            if mode == "diff":
+                if self.dirty:
+                    self._refresh(w, wire_dtype)
+                full = self._gather_reference(dtype)
+            elif mode == "direct":
+                full = self._gather_direct(w, dtype)
+            else:
+                full = self._gather_exact(w, dtype)
+            self.calls += 1
+            if out is None:
+                return full[: self.numel]
+            if out.numel() not in (self.numel, self.padded_numel):
+                raise ValueError(f"out has {out.numel()} elements; expected {self.numel} or {self.padded_numel}")
+            out.view(-1).copy_(full[: out.numel()])
+            return out
 
     __call__ = gather
 
@@ -207,7 +209,8 @@ class WeightGather:
         topo = self.topology
         # Send the shard in its own dtype: exact, and no more bytes than an ordinary gather.
         row = w.to(wire_dtype).view(torch.uint8)
-        rows, _ = all_gather_rows(row, topo.inter_group)
+        with timing.span("comm.weights"):
+            rows, _ = all_gather_rows(row, topo.inter_group)
         self.reference.copy_(rows.view(wire_dtype).float())
         self._force_exact = False
         self._record_refresh(row.numel())
@@ -215,12 +218,16 @@ class WeightGather:
     def _exchange_diff(self, w: torch.Tensor) -> None:
         topo = self.topology
         # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
-        row, _, _ = encode_rows(w.view(1, -1), self.spec, ref=self.reference[topo.node].view(1, -1),
-                                generator=self._generator(w.device))
-        rows, _ = all_gather_rows(row.view(-1), topo.inter_group)
-        # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
-        decode_rows(rows, self.spec, self.shard_numel, self.reference, add=True)
-        if bool(wire_nonfinite(rows, self.spec, self.shard_numel)):
+        with timing.span("weights.encode"):
+            row, _, _ = encode_rows(w.view(1, -1), self.spec, ref=self.reference[topo.node].view(1, -1),
+                                    generator=self._generator(w.device))
+        with timing.span("comm.weights"):
+            rows, _ = all_gather_rows(row.view(-1), topo.inter_group)
+        with timing.span("weights.decode"):
+            # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
+            decode_rows(rows, self.spec, self.shard_numel, self.reference, add=True)
+            nonfinite = bool(wire_nonfinite(rows, self.spec, self.shard_numel))
+        if nonfinite:
             # An inf/nan weight poisons R_l (and so the gathered weights, visibly); the next
             # refresh is exact so that the reference recovers once the weights are finite again.
             self._force_exact = True
@@ -237,7 +244,8 @@ class WeightGather:
         """Compare the checksum of R_l across its holders (the inter-node group). Every holder
         sees the same gathered sums, so all of them take the same decision."""
         topo = self.topology
-        sums, _ = all_gather_rows(_checksum(self.reference), topo.inter_group)
+        with timing.span("comm.weights"):
+            sums, _ = all_gather_rows(_checksum(self.reference), topo.inter_group)
         self._rec.record("weights", "inter", bytes=(topo.nodes - 1) * 16, elements=0)
         if bool((sums == sums[0]).all()):
             return False
@@ -251,7 +259,8 @@ class WeightGather:
         L, nodes, C = topo.ranks_per_node, topo.nodes, self.shard_numel
         # Note: copy=True: the output must never alias the reference (the next refresh edits it).
         src = self.reference.to(dtype, copy=True).reshape(-1)
-        rows, _ = all_gather_rows(src, topo.intra_group)  # [L, nodes * C]
+        with timing.span("comm.weights"):
+            rows, _ = all_gather_rows(src, topo.intra_group)  # [L, nodes * C]
         if L > 1:
             itemsize = src.element_size()
             valid = sum(self._valid[n * L + topo.local_rank] for n in range(nodes))
@@ -273,11 +282,14 @@ class WeightGather:
 
     def _gather_direct(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         topo = self.topology
-        row, _, _ = encode_rows(w.view(1, -1), self.spec, generator=self._generator(w.device))
-        rows, _ = all_gather_rows(row.view(-1), topo.world_group)
-        # Note: every rank decodes every shard from the same bytes, its own included.
-        full = decode_rows(rows, self.spec, self.shard_numel,
-                           torch.empty((rows.shape[0], self.shard_numel), dtype=torch.float32, device=w.device))
+        with timing.span("weights.encode"):
+            row, _, _ = encode_rows(w.view(1, -1), self.spec, generator=self._generator(w.device))
+        with timing.span("comm.weights"):
+            rows, _ = all_gather_rows(row.view(-1), topo.world_group)
+        with timing.span("weights.decode"):
+            # Note: every rank decodes every shard from the same bytes, its own included.
+            full = decode_rows(rows, self.spec, self.shard_numel,
+                               torch.empty((rows.shape[0], self.shard_numel), dtype=torch.float32, device=w.device))
         self._record_world(row.numel(), dtype.itemsize)
         if self._rec.sample_due(self.calls):
             own = full[topo.rank]
@@ -287,6 +299,7 @@ class WeightGather:
 
     def _gather_exact(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         topo = self.topology
-        rows, _ = all_gather_rows(src, topo.world_group)
+        with timing.span("comm.weights"):
+            rows, _ = all_gather_rows(src, topo.world_group)
         self._record_world(src.numel() * src.element_size(), src.element_size())
         return rows.reshape(-1)

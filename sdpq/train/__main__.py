@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    p.add_argument("--mixed-precision", choices=["bf16"], default=None,
+                   help="bf16 compute on full-precision parameters: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
+                        "reduce_dtype=fp32), DeepSpeed bf16 mode (fp32 master)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -58,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank at the end (0 = none)")
     p.add_argument("--out", default=None, help="write the result (JSON) here (rank 0)")
+    p.add_argument("--timing", action="store_true",
+                   help="record per-step time spans (compute, codec, communication, optimizer) in the result")
     # The deepspeed launcher appends --local_rank=N; the environment (LOCAL_RANK) says the same.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -68,9 +73,10 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         backend=args.backend,
         model=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model),
         sdpq=_sdpq_block(args.config), steps=args.steps, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-        lr=args.lr, warmup=args.warmup, bf16=args.bf16, seed=args.seed, data=args.data, ranks_per_node=rpn,
+        lr=args.lr, warmup=args.warmup, bf16=args.bf16, mixed_precision=args.mixed_precision, seed=args.seed,
+        data=args.data, ranks_per_node=rpn,
         checkpoint_dir=args.checkpoint_dir, save_at=args.save_at, resume=args.resume, log_every=args.log_every,
-        eval_batches=args.eval_batches,
+        eval_batches=args.eval_batches, timing=args.timing,
     )
 
 
@@ -98,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if job.rank == 0:
         summary = {k: v for k, v in asdict(result).items() if k != "losses"}
         summary["final_loss"] = result.losses[-1] if result.losses else None
+        if "timing" in summary["extra"]:  # per-rank, per-step spans: in --out only
+            summary["extra"] = {k: v for k, v in summary["extra"].items() if k != "timing"}
         print(json.dumps(summary, default=str), flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

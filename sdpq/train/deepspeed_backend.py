@@ -18,13 +18,24 @@ import torch
 import torch.distributed as dist
 
 from ..comm import stats as comm_stats
+from ..comm import timing
 from .data import TokenData
 from .model import GPT
-from .run import RunResult, RunSpec, digest, lr_at, median_step_seconds, validation_loss
+from .run import (RunResult, RunSpec, digest, gather_step_timing, lr_at, median_step_seconds, step_timing,
+                  validation_loss)
 
 __all__ = ["train", "ds_config", "optimizer_bytes_per_param", "CKPT_TAG"]
 
 CKPT_TAG = "step{step}"
+
+# Collectives timed as "comm.other" with spec.timing: ZeRO-3 calls deepspeed.comm (handles of
+# asynchronous ones are wrapped so that their wait() is timed too); torch.distributed below it
+# only for what bypasses deepspeed.comm.
+_DS_COLLECTIVES = ("all_gather_into_tensor", "allgather_fn", "all_gather", "all_gather_coalesced", "reduce_scatter_fn",
+                   "reduce_scatter_tensor", "reduce_scatter", "reduce_scatter_coalesced", "all_reduce",
+                   "all_reduce_coalesced", "inference_all_reduce", "broadcast", "all_to_all_single", "barrier", "reduce")
+_TORCH_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+                      "all_reduce", "all_to_all_single", "broadcast", "all_gather", "reduce_scatter", "barrier")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -45,7 +56,7 @@ def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
         "zero_optimization": {"stage": 3},
         "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas), "eps": 1e-8,
                                                   "weight_decay": spec.weight_decay, "torch_adam": True}},
-        "bf16": {"enabled": bool(spec.bf16)},
+        "bf16": {"enabled": bool(spec.bf16 or spec.mixed_precision == "bf16")},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -95,6 +106,18 @@ def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = data or (TokenData.from_path(spec.data) if spec.data else TokenData.stdlib())
+    with step_timing(spec, _comm_modules() if spec.timing else ()):
+        return _train(spec, sdpq_ds, rank, world, data, checks, ds_overrides)
+
+
+def _comm_modules() -> list:
+    import deepspeed.comm as ds_comm
+
+    return [(ds_comm, _DS_COLLECTIVES, True), (dist, _TORCH_COLLECTIVES, False)]
+
+
+def _train(spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, checks: bool,
+           ds_overrides: dict | None) -> RunResult:
     torch.manual_seed(spec.seed)
     model = GPT(spec.model)
     n_params = model.num_params()
@@ -114,19 +137,25 @@ def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
     losses = [float("nan")] * spec.steps
     local = torch.zeros(spec.steps, dtype=torch.float64)
     times = []
+    spans: list = []  # per step: {label: [inclusive s, self s, calls]} (spec.timing)
     L = spec.model.seq_len
     for step in range(start, spec.steps):
         t0 = time.perf_counter()
-        lr = lr_at(spec, step)
-        for g in engine.optimizer.param_groups:
-            g["lr"] = lr
-        for micro in range(spec.grad_accum):
-            x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, L, seed=spec.seed)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
-            local[step] += float(loss.detach()) / spec.grad_accum
+        with timing.span("train.step"):
+            lr = lr_at(spec, step)
+            for g in engine.optimizer.param_groups:
+                g["lr"] = lr
+            for micro in range(spec.grad_accum):
+                x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, L, seed=spec.seed)
+                with timing.span("train.fwd_bwd"):
+                    loss = engine(x, y)
+                    engine.backward(loss)
+                with timing.span("train.optim"):
+                    engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
+                local[step] += float(loss.detach()) / spec.grad_accum
         times.append(time.perf_counter() - t0)
+        if spec.timing:
+            spans.append(timing.take())
         if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
             print(f"step {step + 1:5d}  loss(rank0) {float(local[step]):.4f}  lr {lr:.2e}  {times[-1]:.3f}s",
                   flush=True)
@@ -161,6 +190,8 @@ def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
         "step_times": times,
         "ds_config": ds_config(spec, ds_overrides),
     }
+    if spec.timing:
+        extra["timing"] = gather_step_timing(spans, world)
     if checks:  # keyed by parameter name (ds_id numbering continues across engines in a process)
         names = {}
         for n, p in engine.module.named_parameters():

@@ -21,15 +21,29 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..comm import stats as comm_stats
+from ..comm import timing
 from ..config import Config
 from ..integrations import fsdp as sdpq_fsdp
 from .data import TokenData
 from .model import GPT
-from .run import RunResult, RunSpec, digest, lr_at, median_step_seconds, validation_loss
+from .run import (RunResult, RunSpec, digest, gather_step_timing, lr_at, median_step_seconds, step_timing,
+                  validation_loss)
 
-__all__ = ["train", "build_model", "build_optimizer", "save_checkpoint", "load_checkpoint"]
+__all__ = ["train", "build_model", "build_optimizer", "save_checkpoint", "load_checkpoint", "mp_policy_for"]
+
+# torch.distributed collectives timed as "comm.other" with spec.timing (FSDP2 calls them
+# synchronously on CPU; their work handles stay unwrapped: FSDP2 checks isinstance(work, Work)).
+_TORCH_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+                      "all_reduce", "all_to_all_single", "broadcast", "all_gather", "reduce_scatter", "barrier")
 
 
+def mp_policy_for(spec: RunSpec) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for spec.mixed_precision: "bf16" = bf16 parameters in forward/backward and
+    in the all-gather, fp32 gradient reduce-scatter (set explicitly: FSDP2's default reduce dtype
+    with param_dtype=bf16 is bf16). On bf16 parameters (spec.bf16) only the fp32 reduce applies."""
+    if spec.mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
 
 
 def sdpq_config(spec: RunSpec) -> Config | None:
@@ -170,7 +184,8 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
           data: TokenData | None = None) -> RunResult:
     """Run `spec` with FSDP2 on the initialised default process group (every rank calls it).
 
-    mesh: a DeviceMesh for fully_shard (2-D = HSDP); mp_policy: FSDP2 mixed precision;
+    mesh: a DeviceMesh for fully_shard (2-D = HSDP); mp_policy: FSDP2 mixed precision (default:
+    the one spec.mixed_precision names, see mp_policy_for; giving both is an error);
     freeze: parameter-name prefixes to freeze; checks: record in `extra` a digest of the weights
     every FSDP module's forward used (per step) and of every weight reference at the end.
     """
@@ -180,6 +195,9 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
         raise RuntimeError("fsdp_backend.train needs an initialised torch.distributed process group")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = data or (TokenData.from_path(spec.data) if spec.data else TokenData.stdlib())
+    if mp_policy is not None and spec.mixed_precision is not None:
+        raise ValueError("fsdp_backend.train: pass either mp_policy or spec.mixed_precision, not both")
+    mp_policy = mp_policy or mp_policy_for(spec)
     cfg = sdpq_config(spec)
     model = build_model(spec, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                         freeze=freeze)
@@ -198,35 +216,43 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
 
     losses = [float("nan")] * spec.steps
     times = []
+    spans: list = []  # per step: {label: [inclusive s, self s, calls]} (spec.timing)
     L = spec.model.seq_len
-    for step in range(start, spec.steps):
-        t0 = time.perf_counter()
-        lr = lr_at(spec, step)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        total = torch.zeros((), dtype=torch.float32)
-        for micro in range(spec.grad_accum):
-            model.set_requires_gradient_sync(micro == spec.grad_accum - 1)
-            x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, L, seed=spec.seed)
-            loss = model(x, y) / spec.grad_accum
-            loss.backward()
-            total += loss.detach().float()
-        if spec.grad_clip and spec.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], spec.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(total)
-        losses[step] = float(total) / world
-        times.append(time.perf_counter() - t0)
-        if checks:
-            per_step_digests.append(list(forward_digests))
-            forward_digests.clear()
-        if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
-            print(f"step {step + 1:5d}  loss {losses[step]:.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True)
-        if spec.save_at is not None and step + 1 == spec.save_at:
-            if not spec.checkpoint_dir:
-                raise ValueError("RunSpec.save_at needs checkpoint_dir")
-            save_checkpoint(spec.checkpoint_dir, model, opt, step + 1)
+    with step_timing(spec, [(dist, _TORCH_COLLECTIVES, False)]):
+        for step in range(start, spec.steps):
+            t0 = time.perf_counter()
+            with timing.span("train.step"):
+                lr = lr_at(spec, step)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                total = torch.zeros((), dtype=torch.float32)
+                for micro in range(spec.grad_accum):
+                    model.set_requires_gradient_sync(micro == spec.grad_accum - 1)
+                    x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, L, seed=spec.seed)
+                    with timing.span("train.fwd_bwd"):
+                        loss = model(x, y) / spec.grad_accum
+                        loss.backward()
+                    total += loss.detach().float()
+                with timing.span("train.optim"):  # gradient clipping (its norm all-reduce too) + step
+                    if spec.grad_clip and spec.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                       spec.grad_clip)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                dist.all_reduce(total)
+                losses[step] = float(total) / world
+            times.append(time.perf_counter() - t0)
+            if spec.timing:
+                spans.append(timing.take())
+            if checks:
+                per_step_digests.append(list(forward_digests))
+                forward_digests.clear()
+            if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
+                print(f"step {step + 1:5d}  loss {losses[step]:.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True)
+            if spec.save_at is not None and step + 1 == spec.save_at:
+                if not spec.checkpoint_dir:
+                    raise ValueError("RunSpec.save_at needs checkpoint_dir")
+                save_checkpoint(spec.checkpoint_dir, model, opt, step + 1)
     for h in handles:
         h.remove()
 
@@ -245,7 +271,10 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
         "params": sum(p.numel() for p in model.parameters()),
         "sdpq": None if cfg is None else cfg.to_dict(),
         "skipped_steps": getattr(opt, "skipped_steps", 0),
+        "mp_policy": None if mp_policy is None else {k: str(v) for k, v in vars(mp_policy).items()},
     }
+    if spec.timing:
+        extra["timing"] = gather_step_timing(spans, world)
     if checks:
         extra["forward_digests"] = per_step_digests
         extra["param_digests"] = {n: digest(p.to_local() if hasattr(p, "to_local") else p)

@@ -6,6 +6,7 @@ return a ``RunResult``, so the demo, the benchmarks and ``python -m sdpq.train``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import statistics
@@ -16,7 +17,14 @@ import torch
 
 from .model import GPTConfig
 
-__all__ = ["RunSpec", "RunResult", "lr_at", "digest", "validation_loss", "median_step_seconds"]
+__all__ = ["RunSpec", "RunResult", "lr_at", "digest", "validation_loss", "median_step_seconds", "step_timing",
+           "gather_step_timing", "MIXED_PRECISION"]
+
+# RunSpec.mixed_precision values. "bf16": bf16 compute on full-precision parameters, what users
+# of each framework run: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (the
+# FSDP2 tutorial's and torchtitan's policy; FSDP2's own default would reduce in bf16), DeepSpeed
+# "bf16": {"enabled": true} (bf16 parameters and gradients, fp32 master in the optimizer).
+MIXED_PRECISION = (None, "bf16")
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class RunSpec:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     bf16: bool = False  # bf16 parameters/compute (MCF master needs it)
+    mixed_precision: str | None = None  # "bf16": see MIXED_PRECISION (combines with bf16 for FSDP2)
     seed: int = 0
     data: str | None = None  # None = the stdlib corpus; else a dir of text or a Megatron prefix
     ranks_per_node: int | str = "auto"
@@ -41,10 +50,13 @@ class RunSpec:
     resume: bool = False  # load the checkpoint in checkpoint_dir and continue
     eval_batches: int = 8
     log_every: int = 10
+    timing: bool = False  # per-step time spans (sdpq.comm.timing) in RunResult.extra["timing"]
 
     def __post_init__(self) -> None:
         if self.backend not in ("fsdp2", "deepspeed"):
             raise ValueError(f"RunSpec.backend: {self.backend!r}; allowed: 'fsdp2', 'deepspeed'")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"RunSpec.mixed_precision: {self.mixed_precision!r}; allowed: None, 'bf16'")
         for name in ("steps", "micro_batch", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunSpec.{name}: {getattr(self, name)!r}; allowed: an integer >= 1")
@@ -96,3 +108,35 @@ def validation_loss(forward, data, spec: RunSpec, rank: int, world: int) -> floa
             total += float(forward(x, y))
     dist.all_reduce(total)
     return float(total) / (world * spec.eval_batches)
+
+
+@contextlib.contextmanager
+def step_timing(spec: RunSpec, comm_modules=()):
+    """While a run lasts: with spec.timing, sdpq.comm.timing on (from a clean slate) and the
+    collectives of `comm_modules` ((module, names, wrap_work) triples) timed as "comm.other";
+    restored afterwards. Yields the timing module, or None without spec.timing."""
+    if not spec.timing:
+        yield None
+        return
+    from ..comm import timing
+
+    prev = timing.enable()
+    timing.reset()
+    undo = [timing.instrument(m, names, wrap_work=wrap) for m, names, wrap in comm_modules]
+    try:
+        yield timing
+    finally:
+        for u in reversed(undo):
+            u()
+        timing.enable(prev)
+        timing.reset()
+
+
+def gather_step_timing(per_step: list[dict], world: int) -> list:
+    """Every rank's per-step span records ({label: [inclusive s, self s, calls]} per step), in rank
+    order (collective: call on every rank)."""
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, per_step)
+    return out
