@@ -22,7 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "codec_math.h"
+#include "quantize.h"
 
 namespace sdpq {
 namespace {
@@ -68,21 +68,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
     for (int64_t u = begin; u < end; ++u) {
       const int64_t r = u / tiles, t = u % tiles;
       const int64_t c0 = t * T, len = std::min(T, n - c0);
-      load_float(xp + r * xs, xt, c0, len, v);
-      if (rp) {
-        load_float(rp + r * rs, rt, c0, len, tmp);
-        for (int64_t i = 0; i < len; ++i) v[i] = v[i] - tmp[i];
-      }
-      if (had.B > 1) had.forward(v, len);
+      const float* vals = v;  // the tile's values to quantize
+      const float* xrow = reinterpret_cast<const float*>(xp + r * xs) + c0;
       const int64_t seg = r / P, p = r % P;
-      if (ownp && p == own_row) std::memcpy(ownp + seg * n + c0, v, len * sizeof(float));
+      float* own_dst = ownp && p == own_row ? ownp + seg * n + c0 : nullptr;
+      if (xt == at::kFloat && !rp) {  // already fp32: no staging copy
+        if (had.B > 1) {  // transformed straight into `own` when this row is kept
+          vals = own_dst ? own_dst : v;
+          had.forward(xrow, own_dst ? own_dst : v, len);
+          own_dst = nullptr;
+        } else {
+          vals = xrow;
+        }
+      } else {
+        if (xt == at::kFloat && rt == at::kFloat) {
+          subtract(xrow, reinterpret_cast<const float*>(rp + r * rs) + c0, len, v);
+        } else {
+          load_float(xp + r * xs, xt, c0, len, v);
+          if (rp) {
+            load_float(rp + r * rs, rt, c0, len, tmp);
+            for (int64_t i = 0; i < len; ++i) v[i] = v[i] - tmp[i];
+          }
+        }
+        if (had.B > 1) had.forward(v, len);
+      }
+      if (own_dst) std::memcpy(own_dst, vals, len * sizeof(float));
       // Logical position in the wire row: segment seg occupies [seg * n, (seg + 1) * n).
       uint8_t* row = op + p * wb;
       const int64_t pos0 = seg * n + c0;
       for (int64_t g0 = 0; g0 < len; g0 += spec.G) {
         const int64_t glen = std::min<int64_t>(spec.G, len - g0);
         const int64_t gi = (pos0 + g0) / spec.G;
-        bad |= !quantize_group(v + g0, glen, spec, row + spec.group_code_offset(gi), row + cb + gi * spec.scale_size,
+        bad |= !quantize_group(vals + g0, glen, spec, row + spec.group_code_offset(gi), row + cb + gi * spec.scale_size,
                                static_cast<uint32_t>(seed), static_cast<uint64_t>(p * row_numel + pos0 + g0));
       }
     }

@@ -1,0 +1,128 @@
+// Building blocks shared by the CPU codec kernels: 8-lane fp32 vectors, dtype conversions,
+// per-thread tiles. Loops are branch-free over their elements so that the compiler vectorizes
+// them (-O3 -march=native).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace sdpq {
+
+// 8-lane vectors (GCC/Clang vector extensions: AVX2 registers here, two SSE/NEON registers
+// elsewhere). Note: the register types keep their natural alignment; an under-aligned vector
+// type is kept in memory by GCC (4x slower loops), so only loads and stores go through the
+// 4-byte-aligned `f8u`: data need not be 32-byte aligned.
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+typedef float f8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8u __attribute__((vector_size(32), aligned(4)));
+
+inline f8 loadu(const float* p) { return *reinterpret_cast<const f8u*>(p); }
+inline void storeu(float* p, f8 v) { *reinterpret_cast<f8u*>(p) = v; }
+
+// Per-thread fp32 work buffer of one tile.
+struct Scratch {
+  std::vector<float> data;
+  explicit Scratch(int64_t n) : data(static_cast<size_t>(n)) {}
+  operator float*() { return data.data(); }
+};
+
+// Elements per tile: a multiple of every group / block size involved (all powers of two) and
+// about 2048, so a tile and its temporaries stay in L1.
+inline int64_t tile_size(int64_t n, int64_t a, int64_t b) {
+  const int64_t lcm = std::max(a, b);
+  int64_t t = lcm;
+  while (t < 2048 && t < n) t *= 2;
+  return t;
+}
+
+// Tiles per parallel task: at least ~32K elements, so small buffers stay on one thread.
+inline int64_t grain(int64_t tile) { return std::max<int64_t>(1, (int64_t{1} << 15) / tile); }
+
+// ---------------------------------------------------------------------------- conversions
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, NaN kept (as c10::BFloat16).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+// dst[0:len] = fp32(row[c0:c0+len]) for a row of dtype t.
+inline void load_float(const uint8_t* row, at::ScalarType t, int64_t c0, int64_t len, float* dst) {
+  switch (t) {
+    case at::kFloat:
+      std::memcpy(dst, reinterpret_cast<const float*>(row) + c0, len * sizeof(float));
+      return;
+    case at::kBFloat16: {
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(row) + c0;
+      for (int64_t i = 0; i < len; ++i) dst[i] = bf16_to_float(s[i]);
+      return;
+    }
+    case at::kHalf: {
+      const at::Half* s = reinterpret_cast<const at::Half*>(row) + c0;
+      for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<float>(s[i]);
+      return;
+    }
+    case at::kDouble: {
+      const double* s = reinterpret_cast<const double*>(row) + c0;
+      for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<float>(s[i]);
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "codec: dtype ", t, " not supported; allowed: float32, bfloat16, float16, float64");
+  }
+}
+
+// row[c0:c0+len] = src[0:len] converted to dtype t (round to nearest even).
+inline void store_float(const float* src, int64_t len, at::ScalarType t, uint8_t* row, int64_t c0) {
+  switch (t) {
+    case at::kFloat:
+      std::memcpy(reinterpret_cast<float*>(row) + c0, src, len * sizeof(float));
+      return;
+    case at::kBFloat16: {
+      uint16_t* d = reinterpret_cast<uint16_t*>(row) + c0;
+      for (int64_t i = 0; i < len; ++i) d[i] = float_to_bf16(src[i]);
+      return;
+    }
+    case at::kHalf: {
+      at::Half* d = reinterpret_cast<at::Half*>(row) + c0;
+      for (int64_t i = 0; i < len; ++i) d[i] = at::Half(src[i]);
+      return;
+    }
+    case at::kDouble: {
+      double* d = reinterpret_cast<double*>(row) + c0;
+      for (int64_t i = 0; i < len; ++i) d[i] = src[i];
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "codec: dtype ", t, " not supported; allowed: float32, bfloat16, float16, float64");
+  }
+}
+
+// dst[0:len] = a[0:len] - b[0:len] (fp32).
+inline void subtract(const float* a, const float* b, int64_t len, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) storeu(dst + i, loadu(a + i) - loadu(b + i));
+  for (; i < len; ++i) dst[i] = a[i] - b[i];
+}
+
+}  // namespace sdpq
