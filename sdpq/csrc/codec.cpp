@@ -72,6 +72,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
       const float* xrow = reinterpret_cast<const float*>(xp + r * xs) + c0;
       const int64_t seg = r / P, p = r % P;
       float* own_dst = ownp && p == own_row ? ownp + seg * n + c0 : nullptr;
+      // Logical position in the wire row: segment seg occupies [seg * n, (seg + 1) * n).
+      uint8_t* row = op + p * wb;
+      const int64_t pos0 = seg * n + c0;
+      if (xt == at::kFloat && !rp && had.B > 1 &&
+          hadamard_quantize(had, xrow, own_dst, len, spec, row, cb, pos0 / spec.G, static_cast<uint32_t>(seed),
+                            static_cast<uint64_t>(p * row_numel + pos0), bad)) {
+        continue;  // fused in registers
+      }
       if (xt == at::kFloat && !rp) {  // already fp32: no staging copy
         if (had.B > 1) {  // transformed straight into `own` when this row is kept
           vals = own_dst ? own_dst : v;
@@ -93,9 +101,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
         if (had.B > 1) had.forward(v, len);
       }
       if (own_dst) std::memcpy(own_dst, vals, len * sizeof(float));
-      // Logical position in the wire row: segment seg occupies [seg * n, (seg + 1) * n).
-      uint8_t* row = op + p * wb;
-      const int64_t pos0 = seg * n + c0;
       for (int64_t g0 = 0; g0 < len; g0 += spec.G) {
         const int64_t glen = std::min<int64_t>(spec.G, len - g0);
         const int64_t gi = (pos0 + g0) / spec.G;
@@ -125,13 +130,20 @@ void decode_rows(const at::Tensor& buf, int64_t numel, int64_t bits, int64_t gro
   const auto ot = out.scalar_type();
   const int64_t os = out.stride(0) * out.element_size();
   at::parallel_for(0, R * tiles, grain(T), [&](int64_t begin, int64_t end) {
-    Scratch v(T), tmp(T);
+    Scratch v(T);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t r = u / tiles, c0 = (u % tiles) * T, len = std::min(T, numel - c0);
-      dequantize_span(bp + r * bs, cb, spec, c0, len, v);
+      if (ot == at::kFloat) {  // straight into out
+        float* d = reinterpret_cast<float*>(optr + r * os) + c0;
+        add ? dequantize_span<Into::kAdd>(bp + r * bs, cb, spec, c0, len, d)
+            : dequantize_span<Into::kStore>(bp + r * bs, cb, spec, c0, len, d);
+        continue;
+      }
       if (add) {
-        load_float(optr + r * os, ot, c0, len, tmp);
-        for (int64_t i = 0; i < len; ++i) v[i] = tmp[i] + v[i];
+        load_float(optr + r * os, ot, c0, len, v);
+        dequantize_span<Into::kAdd>(bp + r * bs, cb, spec, c0, len, v);
+      } else {
+        dequantize_span<Into::kStore>(bp + r * bs, cb, spec, c0, len, v);
       }
       store_float(v, len, ot, optr + r * os, c0);
     }
@@ -170,31 +182,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
   const float* ownp = own.data_ptr<float>();
   std::atomic<bool> nonfinite{false};
   at::parallel_for(0, erows * tiles, grain(T * R), [&](int64_t begin, int64_t end) {
-    Scratch acc(T), v(T);
+    Scratch scratch(T);
     bool flag = false;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t e = u / tiles, c0 = e * rowlen + (u % tiles) * T;
-      const int64_t len = std::min(T, (e + 1) * rowlen - c0);
-      for (int64_t k = 0; k < R; ++k) {  // row order, as the reference's sum
-        const float* part = ownp + c0;
-        if (k != own_row) {
-          dequantize_span(bp + k * bs, cb, spec, c0, len, v);
-          part = v;
+      const int64_t len = std::min(T, (e + 1) * rowlen - c0), col = c0 - e * rowlen;
+      // The sum lands where it is kept: the result (no re-encode), own_out (its segment), or scratch.
+      float* acc = !encode ? result.data_ptr<float>() + c0
+                   : e == own_seg ? own_out.data_ptr<float>() + col : static_cast<float*>(scratch);
+      for (int64_t k = 0; k < R; ++k) {  // row order, as the reference's sum; the poison last
+        const bool last = k == R - 1 && k > 0;
+        if (k == own_row) {
+          if (k == 0) {
+            std::memcpy(acc, ownp + c0, len * sizeof(float));
+          } else if (last) {
+            combine<Into::kAddExtra>(acc, ownp + c0, len, extra);
+          } else {
+            combine<Into::kAdd>(acc, ownp + c0, len, extra);
+          }
+          continue;
         }
+        const uint8_t* row = bp + k * bs;
         if (k == 0) {
-          std::memcpy(acc, part, len * sizeof(float));
+          dequantize_span<Into::kStore>(row, cb, spec, c0, len, acc);
+        } else if (last) {
+          dequantize_span<Into::kAddExtra>(row, cb, spec, c0, len, acc, extra);
         } else {
-          for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] + part[i];
+          dequantize_span<Into::kAdd>(row, cb, spec, c0, len, acc);
         }
       }
-      for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] + extra;
+      if (R == 1) {
+        for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] + extra;
+      }
       if (!encode) {
         if (had.B > 1) had.inverse(acc, len);
-        std::memcpy(result.data_ptr<float>() + c0, acc, len * sizeof(float));
         continue;
       }
-      const int64_t col = c0 - e * rowlen;
-      if (e == own_seg) std::memcpy(own_out.data_ptr<float>() + col, acc, len * sizeof(float));
       uint8_t* row = result.data_ptr<uint8_t>() + e * result.size(1);
       const int64_t ecb = enc.code_bytes(rowlen);
       for (int64_t g0 = 0; g0 < len; g0 += enc.G) {

@@ -24,7 +24,7 @@ struct Hadamard {
   // Stages h = 1, 2, 4 inside one 8-lane vector: a shuffle brings each lane its partner p and
   // the upper lane of each pair is negated (a sign-bit flip, exact), so one add gives lane j
   // p + x_j = x_{j+h} + x_j and lane j + h x_j + (-x_{j+h}): the reference's a + b and a - b.
-  static f8 stages_in_vector(f8 v) {
+  SDPQ_INLINE static f8 stages_in_vector(f8 v) {
     const i8 n1 = {0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN};
     const i8 n2 = {0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN};
     const i8 n4 = {0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN};
@@ -63,12 +63,13 @@ struct Hadamard {
 
   // One block of NV * 8 values held in registers from load to store: signs, all stages and the
   // scaling in one pass (the same operations, in the same order, as forward / inverse below).
+  // The transform of one block of NV * 8 values held in registers r (loaded by the caller):
+  // signs, all stages and the scaling, the same operations in the same order as forward /
+  // inverse below.
   template <int NV, bool kForward>
-  void block_in_registers(const float* src, float* dst) const {
-    f8 r[NV];
+  void transform_registers(f8 (&r)[NV]) const {
 #pragma GCC unroll 16
     for (int k = 0; k < NV; ++k) {
-      r[k] = loadu(src + 8 * k);
       if (kForward) r[k] = r[k] * loadu(signs + 8 * k);
       r[k] = stages_in_vector(r[k]);
     }
@@ -86,10 +87,17 @@ struct Hadamard {
     }
     const f8 scale = f8{} + inv_sqrt;
 #pragma GCC unroll 16
-    for (int k = 0; k < NV; ++k) {
-      const f8 y = r[k] * scale;
-      storeu(dst + 8 * k, kForward ? y : y * loadu(signs + 8 * k));
-    }
+    for (int k = 0; k < NV; ++k) r[k] = kForward ? r[k] * scale : r[k] * scale * loadu(signs + 8 * k);
+  }
+
+  template <int NV, bool kForward>
+  void block_in_registers(const float* src, float* dst) const {
+    f8 r[NV];
+#pragma GCC unroll 16
+    for (int k = 0; k < NV; ++k) r[k] = loadu(src + 8 * k);
+    transform_registers<NV, kForward>(r);
+#pragma GCC unroll 16
+    for (int k = 0; k < NV; ++k) storeu(dst + 8 * k, r[k]);
   }
 
   template <bool kForward>

@@ -5,6 +5,10 @@
 #include "hadamard.h"
 #include "simd.h"
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 namespace sdpq {
 
 struct Spec {
@@ -25,7 +29,7 @@ struct Spec {
 // Uniform [0, 1) with 24 random bits from a counter-based hash of (seed, position); the
 // vector form gives lanes pos + 0..7 the same values as the scalar form.
 template <typename U>
-inline U hash32(U h) {
+SDPQ_INLINE U hash32(U h) {
   h ^= h >> 16;
   h *= 0x7FEB352Du;
   h ^= h >> 15;
@@ -44,18 +48,16 @@ inline float uniform01(uint32_t seed, uint64_t pos) {
 }
 
 // Lanes 0..7 of positions pos..pos+7 (as the scalar form unless they straddle a multiple of 2^32).
-inline f8 uniform01(uint32_t seed, uint64_t pos, u8 lane) {
+SDPQ_INLINE f8 uniform01(uint32_t seed, uint64_t pos, u8 lane) {
   const u8 h = hash32<u8>(((u8{} + static_cast<uint32_t>(pos)) + lane) ^ mix(seed, pos));
   return __builtin_convertvector((i8)(h >> 8), f8) * (1.0f / 16777216.0f);
 }
 
 inline float round_scale(float s, bool fp16) { return fp16 ? static_cast<float>(at::Half(s)) : s; }
 
-// Quantize len <= G values (the rest of the group is zero padding) and write the group's packed
-// codes and its scale. Returns false when the group held inf/NaN (scale non-finite, codes 0).
 // Round to nearest even for |y| < 2^22 (the codes' range): adding and subtracting 1.5 * 2^23
 // leaves no fraction bits, and round-to-nearest-even is the FPU's rounding.
-inline f8 round_even(f8 y) {
+SDPQ_INLINE f8 round_even(f8 y) {
   const f8 magic = f8{} + 12582912.0f;
   return (y + magic) - magic;
 }
@@ -65,38 +67,70 @@ typedef uint8_t b4 __attribute__((vector_size(4)));
 typedef uint8_t b8 __attribute__((vector_size(8)));
 typedef uint8_t b32 __attribute__((vector_size(32)));
 
-// Packed codes of one full group (G a multiple of 8), scale `safe` > 0: 8 values per step,
-// rounded, clamped and packed in registers (8 bytes at 8 bits, 4 bytes at 4 bits).
-inline void codes_full(const float* v, int64_t G, int64_t bits, float safe, float qmax, bool stochastic,
-                       uint32_t seed, uint64_t pos0, uint8_t* codes) {
-  const f8 vs = f8{} + safe, hi = f8{} + qmax, lo = f8{} - qmax;
+// Codes of 8 values x at positions pos..pos+7 of the row, rounded, clamped and packed in
+// registers into codes (8 bytes at 8 bits, 4 bytes at 4 bits).
+template <int bits, bool stochastic>
+SDPQ_INLINE void encode_vector(f8 x, f8 scale, float qmax, uint32_t seed, uint64_t pos, uint8_t* codes) {
   const u8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-  for (int64_t i = 0; i < G; i += 8) {
-    f8 y = loadu(v + i) / vs;
-    if (stochastic) {  // floor(y + u) = r - (r > z), r = the rounded z
-      const f8 z = y + uniform01(seed, pos0 + i, lane);
-      const f8 r = round_even(z);
-      y = r > z ? r - 1.0f : r;
-    } else {
-      y = round_even(y);
-    }
-    y = y > hi ? hi : y;
-    y = y < lo ? lo : y;
-    const i8 c = __builtin_convertvector(y, i8);
-    // Byte 0 of each lane is the code's two's-complement byte (little endian); byte shuffles
-    // pick them (a converting cast would be split into scalar moves by GCC).
-    if (bits == 8) {
-      const b32 bytes = (b32)c;
-      const b8 packed = __builtin_shufflevector(bytes, bytes, 0, 4, 8, 12, 16, 20, 24, 28);
-      std::memcpy(codes + i, &packed, 8);
-    } else {  // element 2k in the low nibble of byte k
-      const i8 pairs = (c & 0x0F) | (__builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6) << 4);
-      const b32 bytes = (b32)pairs;
-      const b4 packed = __builtin_shufflevector(bytes, bytes, 0, 8, 16, 24);
-      std::memcpy(codes + i / 2, &packed, 4);
-    }
+  f8 y = x / scale;
+  if (stochastic) {  // floor(y + u) = r - (r > z), r = the rounded z
+    const f8 z = y + uniform01(seed, pos, lane);
+    const f8 r = round_even(z);
+    y = r > z ? r - 1.0f : r;
+  } else {
+    y = round_even(y);
+  }
+  const f8 hi = f8{} + qmax, lo = f8{} - qmax;
+  y = y > hi ? hi : y;
+  y = y < lo ? lo : y;
+  const i8 c = __builtin_convertvector(y, i8);
+  // Byte 0 of each lane is the code's two's-complement byte (little endian); byte shuffles
+  // pick them (a converting cast would be split into scalar moves by GCC).
+  if (bits == 8) {
+    const b32 bytes = (b32)c;
+    const b8 packed = __builtin_shufflevector(bytes, bytes, 0, 4, 8, 12, 16, 20, 24, 28);
+    std::memcpy(codes, &packed, 8);
+  } else {  // element 2k in the low nibble of byte k
+    const i8 pairs = (c & 0x0F) | (__builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6) << 4);
+    const b32 bytes = (b32)pairs;
+    const b4 packed = __builtin_shufflevector(bytes, bytes, 0, 8, 16, 24);
+    std::memcpy(codes, &packed, 4);
   }
 }
+
+// f(bits, stochastic) with both as compile-time constants (the encoding loops are
+// specialized: no per-vector branches on the format).
+template <typename F>
+SDPQ_INLINE void with_format(const Spec& sp, F&& f) {
+  using B4 = std::integral_constant<int, 4>;
+  using B8 = std::integral_constant<int, 8>;
+  if (sp.bits == 8) {
+    sp.stochastic ? f(B8{}, std::true_type{}) : f(B8{}, std::false_type{});
+  } else {
+    sp.stochastic ? f(B4{}, std::true_type{}) : f(B4{}, std::false_type{});
+  }
+}
+
+// A group's scale from its absmax: fp32(amax / qmax), rounded to the wire dtype; NaN when the
+// group held a NaN. `safe` is what values are divided by (1 for zero and non-finite scales).
+struct GroupScale {
+  float s, safe;
+  bool finite;
+  SDPQ_INLINE GroupScale(float amax, bool nan, const Spec& sp) {
+    s = round_scale(amax / static_cast<float>(sp.qmax), sp.fp16);
+    if (nan) s = std::numeric_limits<float>::quiet_NaN();  // the wire's one NaN pattern (as wire.py)
+    finite = std::isfinite(s);
+    safe = (finite && s > 0.0f) ? s : 1.0f;
+  }
+  void write(const Spec& sp, uint8_t* dst) const {
+    if (sp.fp16) {
+      const at::Half h(s);
+      std::memcpy(dst, &h, 2);
+    } else {
+      std::memcpy(dst, &s, 4);
+    }
+  }
+};
 
 // Quantize len <= G values (the rest of the group is zero padding) and write the group's packed
 // codes and its scale. Returns false when the group held inf/NaN (scale non-finite, codes 0).
@@ -125,19 +159,20 @@ inline bool quantize_group(const float* v, int64_t len, const Spec& sp, uint8_t*
     amax = a > amax ? a : amax;
     nan |= v[i] != v[i];
   }
-  float s = round_scale(amax / static_cast<float>(sp.qmax), sp.fp16);
-  if (nan) s = std::numeric_limits<float>::quiet_NaN();  // the wire's one NaN pattern (as wire.py)
-  const bool finite = std::isfinite(s);
-  const float safe = (finite && s > 0.0f) ? s : 1.0f;
+  const GroupScale gs(amax, nan, sp);
   const float qmax = static_cast<float>(sp.qmax);
-  if (!finite) {
+  if (!gs.finite) {
     std::memset(codes, 0, sp.G * sp.bits / 8);
   } else if (len == sp.G && sp.G % 8 == 0) {
-    codes_full(v, sp.G, sp.bits, safe, qmax, sp.stochastic, seed, pos0, codes);
+    const f8 scale = f8{} + gs.safe;
+    with_format(sp, [&](auto bits, auto stochastic) {
+      for (int64_t k = 0; k < sp.G; k += 8)
+        encode_vector<bits, stochastic>(loadu(v + k), scale, qmax, seed, pos0 + k, codes + k * bits / 8);
+    });
   } else {  // a short last group: scalar, zero padding quantizes to 0 either way
     std::memset(codes, 0, sp.G * sp.bits / 8);
     for (int64_t k = 0; k < len; ++k) {
-      const float y = v[k] / safe;
+      const float y = v[k] / gs.safe;
       const float r = sp.stochastic ? std::floor(y + uniform01(seed, pos0 + k)) : std::nearbyint(y);
       const auto q = static_cast<uint8_t>(static_cast<int32_t>(std::min(std::max(r, -qmax), qmax)));
       if (sp.bits == 8) {
@@ -147,19 +182,40 @@ inline bool quantize_group(const float* v, int64_t len, const Spec& sp, uint8_t*
       }
     }
   }
-  if (sp.fp16) {
-    const at::Half h(s);
-    std::memcpy(scale_dst, &h, 2);
-  } else {
-    std::memcpy(scale_dst, &s, 4);
-  }
-  return finite;
+  gs.write(sp, scale_dst);
+  return gs.finite;
 }
 
-// dst[0:len] = decoded values [c0, c0 + len) of one wire row (codes at row, scales at row + cb);
-// a non-finite scale decodes its whole group to NaN.
-inline void dequantize_span(const uint8_t* row, int64_t cb, const Spec& sp, int64_t c0, int64_t len, float* dst) {
+// Decoded codes of 8 elements starting at an element e with e % 8 == 0: bytes at `codes` (8 bits)
+// or nibbles of 4 bytes at `codes` (4 bits, element 2k in the low nibble of byte k).
+SDPQ_INLINE f8 decode_vector(const uint8_t* codes, int64_t bits, f8 scale) {
+  typedef int8_t c8 __attribute__((vector_size(8)));
+  i8 c;
+  if (bits == 8) {
+#ifdef __AVX2__  // GCC splits the generic int8 -> int32 conversion into scalar moves
+    c = (i8)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+#else
+    c8 b;
+    std::memcpy(&b, codes, 8);
+    c = __builtin_convertvector(b, i8);
+#endif
+  } else {  // each byte in two lanes, then the lane's nibble moved to the top and sign-extended down
+    uint32_t w;
+    std::memcpy(&w, codes, 4);
+    const i8 bytes = (i8)(u8{} + w) >> (i8){0, 0, 8, 8, 16, 16, 24, 24};
+    const i8 up = {28, 24, 28, 24, 28, 24, 28, 24};
+    c = (bytes << up) >> 28;
+  }
+  return __builtin_convertvector(c, f8) * scale;
+}
+
+// dst[0:len] = into(dst, decoded values [c0, c0 + len) of one wire row) (codes at row, scales
+// at row + cb); a non-finite scale decodes its whole group to NaN.
+template <Into kMode>
+inline void dequantize_span(const uint8_t* row, int64_t cb, const Spec& sp, int64_t c0, int64_t len, float* dst,
+                            float extra = 0.0f) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  const f8 ve = f8{} + extra;
   int64_t i = 0;
   while (i < len) {
     const int64_t pos = c0 + i, gi = pos / sp.G;
@@ -173,27 +229,93 @@ inline void dequantize_span(const uint8_t* row, int64_t cb, const Spec& sp, int6
       std::memcpy(&s, row + cb + gi * 4, 4);
     }
     float* d = dst + i;
+    int64_t j = 0;
     if (!std::isfinite(s)) {
-      for (int64_t j = 0; j < run; ++j) d[j] = nan;
-    } else if (sp.bits == 8) {
-      const int8_t* c = reinterpret_cast<const int8_t*>(row) + pos;
-      for (int64_t j = 0; j < run; ++j) d[j] = static_cast<float>(c[j]) * s;
-    } else if (pos % 2 == 0 && run % 2 == 0) {
-      const uint8_t* c = row + pos / 2;
-      for (int64_t j = 0; j < run / 2; ++j) {
-        const int8_t b = static_cast<int8_t>(c[j]);
-        d[2 * j] = static_cast<float>(static_cast<int8_t>(b << 4) >> 4) * s;
-        d[2 * j + 1] = static_cast<float>(b >> 4) * s;
-      }
-    } else {
-      for (int64_t j = 0; j < run; ++j) {
-        const int64_t e = pos + j;
+      s = nan;  // every value of the group: code * NaN
+    } else if (pos % 8 == 0) {
+      const f8 vs = f8{} + s;
+      for (; j + 8 <= run; j += 8)
+        storeu(d + j, into<kMode>(loadu(d + j), decode_vector(row + (pos + j) * sp.bits / 8, sp.bits, vs), ve));
+    }
+    for (; j < run; ++j) {
+      const int64_t e = pos + j;
+      int8_t code;
+      if (sp.bits == 8) {
+        code = static_cast<int8_t>(row[e]);
+      } else {
         const int8_t b = static_cast<int8_t>(row[e / 2]);
-        const int8_t code = (e % 2 == 0) ? static_cast<int8_t>(b << 4) >> 4 : b >> 4;
-        d[j] = static_cast<float>(code) * s;
+        code = (e % 2 == 0) ? static_cast<int8_t>(b << 4) >> 4 : b >> 4;
       }
+      d[j] = into<kMode>(d[j], static_cast<float>(code) * s, extra);
     }
     i += run;
+  }
+}
+
+// ---------------------------------------------------------------------------- fused blocks
+
+// Hadamard block and quantization group of the same size (NV * 8 values): the block is loaded,
+// transformed, measured and encoded without leaving registers; it is stored only to `keep`
+// (when not null). Bitwise the same as forward() followed by quantize_group().
+template <int NV>
+inline bool hadamard_quantize_block(const Hadamard& had, const float* src, float* keep, const Spec& sp,
+                                    uint8_t* codes, uint8_t* scale_dst, uint32_t seed, uint64_t pos0) {
+  f8 r[NV];
+#pragma GCC unroll 16
+  for (int k = 0; k < NV; ++k) r[k] = loadu(src + 8 * k);
+  had.transform_registers<NV, true>(r);
+  const i8 absmask = i8{} + 0x7FFFFFFF;
+  f8 m = {};
+  i8 isnan = {};
+#pragma GCC unroll 16
+  for (int k = 0; k < NV; ++k) {
+    if (keep) storeu(keep + 8 * k, r[k]);
+    const f8 a = (f8)((i8)r[k] & absmask);
+    m = a > m ? a : m;
+    isnan |= r[k] != r[k];
+  }
+  float amax = 0.0f;
+  bool nan = false;
+  for (int k = 0; k < 8; ++k) {
+    amax = m[k] > amax ? m[k] : amax;
+    nan |= isnan[k] != 0;
+  }
+  const GroupScale gs(amax, nan, sp);
+  if (!gs.finite) {
+    std::memset(codes, 0, NV * sp.bits);
+  } else {
+    const f8 scale = f8{} + gs.safe;
+    const float qmax = static_cast<float>(sp.qmax);
+    with_format(sp, [&](auto bits, auto stochastic) {
+#pragma GCC unroll 16
+      for (int k = 0; k < NV; ++k) encode_vector<bits, stochastic>(r[k], scale, qmax, seed, pos0 + 8 * k, codes + k * bits);
+    });
+  }
+  gs.write(sp, scale_dst);
+  return gs.finite;
+}
+
+// Transform and encode src[0:len] (whole groups; group gi0 onwards of a wire row whose scales
+// start at row + cb) when the Hadamard block is the group size and fits in registers; false
+// (nothing done) otherwise. `bad` is set when a group held inf/NaN.
+inline bool hadamard_quantize(const Hadamard& had, const float* src, float* keep, int64_t len, const Spec& sp,
+                              uint8_t* row, int64_t cb, int64_t gi0, uint32_t seed, uint64_t pos0, bool& bad) {
+  if (had.B != sp.G || len % sp.G != 0) return false;
+  auto run = [&](auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    for (int64_t g = 0; g < len / sp.G; ++g) {
+      const int64_t off = g * sp.G;
+      bad |= !hadamard_quantize_block<NV>(had, src + off, keep ? keep + off : nullptr, sp,
+                                          row + sp.group_code_offset(gi0 + g), row + cb + (gi0 + g) * sp.scale_size,
+                                          seed, pos0 + off);
+    }
+    return true;
+  };
+  switch (sp.G) {
+    case 32: return run(std::integral_constant<int, 4>{});
+    case 64: return run(std::integral_constant<int, 8>{});
+    case 128: return run(std::integral_constant<int, 16>{});
+    default: return false;
   }
 }
 

@@ -15,6 +15,9 @@
 #include <type_traits>
 #include <vector>
 
+// Small vector helpers are always inlined: a call would pass 8-lane arguments through memory.
+#define SDPQ_INLINE inline __attribute__((always_inline))
+
 namespace sdpq {
 
 // 8-lane vectors (GCC/Clang vector extensions: AVX2 registers here, two SSE/NEON registers
@@ -27,8 +30,8 @@ typedef uint32_t u8 __attribute__((vector_size(32)));
 typedef float f8u __attribute__((vector_size(32), aligned(4)));
 typedef int32_t i8u __attribute__((vector_size(32), aligned(4)));
 
-inline f8 loadu(const float* p) { return *reinterpret_cast<const f8u*>(p); }
-inline void storeu(float* p, f8 v) { *reinterpret_cast<f8u*>(p) = v; }
+SDPQ_INLINE f8 loadu(const float* p) { return *reinterpret_cast<const f8u*>(p); }
+SDPQ_INLINE void storeu(float* p, f8 v) { *reinterpret_cast<f8u*>(p) = v; }
 
 // Per-thread fp32 work buffer of one tile.
 struct Scratch {
@@ -123,6 +126,33 @@ inline void subtract(const float* a, const float* b, int64_t len, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= len; i += 8) storeu(dst + i, loadu(a + i) - loadu(b + i));
   for (; i < len; ++i) dst[i] = a[i] - b[i];
+}
+
+// How a computed span lands in its destination d: d = v, d = d + v, or d = (d + v) + extra
+// (the reference's order of additions: the running sum first, the NaN poison last).
+enum class Into { kStore, kAdd, kAddExtra };
+
+template <Into kMode>
+SDPQ_INLINE f8 into(f8 d, f8 v, f8 extra) {
+  if (kMode == Into::kStore) return v;
+  if (kMode == Into::kAdd) return d + v;
+  return (d + v) + extra;
+}
+
+template <Into kMode>
+SDPQ_INLINE float into(float d, float v, float extra) {
+  if (kMode == Into::kStore) return v;
+  if (kMode == Into::kAdd) return d + v;
+  return (d + v) + extra;
+}
+
+// d[0:len] = into(d, src, extra) elementwise.
+template <Into kMode>
+inline void combine(float* d, const float* src, int64_t len, float extra) {
+  const f8 ve = f8{} + extra;
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) storeu(d + i, into<kMode>(loadu(d + i), loadu(src + i), ve));
+  for (; i < len; ++i) d[i] = into<kMode>(d[i], src[i], extra);
 }
 
 }  // namespace sdpq
