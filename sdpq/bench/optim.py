@@ -17,9 +17,10 @@ import argparse
 
 import torch
 
+from ..kernels import adamw_ops
 from ..optim import AdamW, memory_report
 from ..quant.fused import uses_kernels
-from .report import default_device, seconds_per_call
+from .report import default_device, paired_seconds, seconds_per_call
 
 COLUMNS = ["states", "master", "v", "numel", "device", "bytes_per_param", "baseline_bytes_per_param",
            "step_seconds", "baseline_step_seconds", "vs_baseline", "gbps", "vs_copy", "speedup_vs_pytorch"]
@@ -92,15 +93,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                         v_format=args.v_format)
             opt.step()
             # the baseline is timed right next to each mode, so both see the same machine load
-            base_s = seconds_per_call(baseline.step, args.min_run_time)
-            step_s = seconds_per_call(opt.step, args.min_run_time)
+            base_s, step_s = paired_seconds(baseline.step, opt.step, 2 * args.min_run_time)
             rep = memory_report(opt)
             v = "pair" if pair else (args.v_format if states == "fp8" else states)
             rec = dict(states=states, master=mode_master, v=v, numel=rep["numel"], device=device.type,
                        bytes_per_param=rep["bytes_per_param"], baseline_bytes_per_param=base_bpp,
                        step_seconds=step_s, baseline_step_seconds=base_s, vs_baseline=step_s / base_s,
                        breakdown=rep["per_param"])
-            if name == "fp8+mcf" and uses_kernels(params[0]) and args.v_format == "e4m3":
+            kernel = uses_kernels(params[0]) or (device.type == "cpu" and adamw_ops.cpu_available())
+            if name == "fp8+mcf" and kernel and args.v_format == "e4m3":
                 rec.update(_kernel_figures(opt, rep["numel"], step_s, args.min_run_time, device))
             records.append(rec)
             del params, opt
