@@ -50,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
   auto out = at::empty({P, spec.wire_bytes(row_numel)}, x.options().dtype(at::kByte));
   auto own = at::empty(own_row >= 0 ? std::vector<int64_t>{segments, n} : std::vector<int64_t>{0},
                        x.options().dtype(at::kFloat));
-  const int64_t T = tile_size(n, spec.G, had.B);
+  const int64_t T = tile_size(n, {spec.G, had.B});
   const int64_t tiles = (n + T - 1) / T;
   std::atomic<bool> nonfinite{false};
   const uint8_t* xp = static_cast<const uint8_t*>(x.data_ptr());
@@ -123,7 +123,7 @@ void decode_rows(const at::Tensor& buf, int64_t numel, int64_t bits, int64_t gro
               "decode_rows: expected uint8 rows of ", spec.wire_bytes(numel), " bytes for numel=", numel);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == buf.size(0) && out.size(1) == numel && out.stride(1) == 1,
               "decode_rows: out must be [", buf.size(0), ", ", numel, "] with contiguous rows");
-  const int64_t R = buf.size(0), T = tile_size(numel, spec.G, 1), tiles = (numel + T - 1) / T;
+  const int64_t R = buf.size(0), T = tile_size(numel, {spec.G}), tiles = (numel + T - 1) / T;
   const int64_t cb = spec.code_bytes(numel), bs = buf.stride(0);
   const uint8_t* bp = buf.data_ptr<uint8_t>();
   uint8_t* optr = static_cast<uint8_t*>(out.data_ptr());
@@ -177,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
                              : at::empty({numel}, opts.dtype(at::kFloat));
   at::Tensor own_out = at::empty({encode ? rowlen : 0}, opts.dtype(at::kFloat));
   const int64_t R = buf.size(0), bs = buf.stride(0), cb = spec.code_bytes(numel);
-  const int64_t T = tile_size(rowlen, std::max(spec.G, enc.G), had.B), tiles = (rowlen + T - 1) / T;
+  const int64_t T = tile_size(rowlen, {spec.G, enc.G, had.B}), tiles = (rowlen + T - 1) / T;
   const uint8_t* bp = buf.data_ptr<uint8_t>();
   const float* ownp = own.data_ptr<float>();
   std::atomic<bool> nonfinite{false};

@@ -10,7 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -40,11 +42,11 @@ struct Scratch {
   operator float*() { return data.data(); }
 };
 
-// Elements per tile: a multiple of every group / block size involved (all powers of two) and
-// about 2048, so a tile and its temporaries stay in L1.
-inline int64_t tile_size(int64_t n, int64_t a, int64_t b) {
-  const int64_t lcm = std::max(a, b);
-  int64_t t = lcm;
+// Elements per tile: a multiple of every group / block size involved (their lcm: groups may be
+// any even size) and at least about 2048, so a tile and its temporaries stay in L1.
+inline int64_t tile_size(int64_t n, std::initializer_list<int64_t> sizes) {
+  int64_t t = 1;
+  for (int64_t s : sizes) t = std::lcm(t, s);
   while (t < 2048 && t < n) t *= 2;
   return t;
 }
