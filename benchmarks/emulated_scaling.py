@@ -15,9 +15,12 @@ link carried (the namespaces' interface counters: every packet, TCP/IP headers, 
 start-up included, divided by the step count) and, per bandwidth, the ratios sdpq/baseline
 measured side by side. The link's TCP throughput is measured first at each bandwidth.
 
-Note: on this 2-core CPU machine the 4 ranks share 2 cores and sdpq's quantization runs as
-unfused PyTorch ops, so compute is far slower relative to the network than on GPUs; the ratios
-show where the link is the bottleneck here, and ``sdpq bench scaling`` models GPU clusters.
+First, per backend, the baseline runs on loopback (all ranks on the host, no shaped link): the
+compute floor, printed as its own row; ``sdpq_vs_floor`` is the sdpq step time over it.
+
+Note: on this 2-core CPU machine the 4 ranks share 2 cores, so compute is far slower relative to
+the network than on GPUs; the ratios show where the link is the bottleneck here, and
+``sdpq bench scaling`` models GPU clusters.
 
     .venv/bin/python benchmarks/emulated_scaling.py                    # ~15 min on 2 cores, needs root
     .venv/bin/python benchmarks/emulated_scaling.py --steps 4 --bandwidths 1gbit --d-model 64   # smoke
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +74,24 @@ def _job(cluster: EmulatedNodes, backend: str, block: dict | None, args, work: P
             "final_loss": r["losses"][-1], "job_seconds": wall}
 
 
+def _loopback_floor(backend: str, args, work: Path) -> dict:
+    """The compute floor: the baseline's step time with every rank on one host (loopback, no
+    shaped link), the same job otherwise. No link can make a step faster than this."""
+    out = work / f"{backend}-baseline-loopback.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NODES * RPN}",
+           "-m", "sdpq.train", "--backend", backend, "--bf16", "--steps", str(args.steps), "--d-model",
+           str(args.d_model), "--n-layer", str(args.n_layer), "--micro-batch", str(args.micro_batch),
+           "--ranks-per-node", str(RPN), "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loopback {backend} failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+    r = json.loads(out.read_text())
+    return {"bandwidth": "loopback", "backend": BACKENDS[backend], "arm": "baseline (compute floor)",
+            "step_seconds": r["step_seconds"], "final_loss": r["losses"][-1], "job_seconds": time.monotonic() - t0}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bandwidths", default="200mbit,1gbit,5gbit")
@@ -89,9 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         if b not in BACKENDS:
             ap.error(f"--backends: {b!r}; allowed: {', '.join(BACKENDS)}")
 
-    records, ratios, links = [], [], {}
+    records, ratios, links, floor = [], [], {}, {}
     port = 29400
     with tempfile.TemporaryDirectory(prefix="sdpq-scaling-") as tmp:
+        for backend in backends:
+            rec = _loopback_floor(backend, args, Path(tmp))
+            floor[BACKENDS[backend]] = rec["step_seconds"]
+            records.append(rec)
+            print(f"[{time.strftime('%H:%M:%S')}] loopback {BACKENDS[backend]:<7} baseline (compute floor) "
+                  f"{rec['step_seconds']:.3f} s/step", flush=True)
         for bw in [b for b in args.bandwidths.split(",") if b]:
             with EmulatedNodes(NODES, bw) as cluster:
                 links[bw] = measure_link(cluster, megabytes=64)
@@ -116,13 +144,17 @@ def main(argv: list[str] | None = None) -> int:
                     ratios.append({"bandwidth": bw, "link_Mbit_s": links[bw], "backend": BACKENDS[backend],
                                    "baseline_s": pair["baseline"]["step_seconds"], "sdpq_s": pair["sdpq"]["step_seconds"],
                                    "step_time_ratio": pair["sdpq"]["step_seconds"] / pair["baseline"]["step_seconds"],
+                                   "sdpq_vs_floor": pair["sdpq"]["step_seconds"] / floor[BACKENDS[backend]],
                                    "link_bytes_ratio": pair["sdpq"]["link_MB_per_step"]
                                    / pair["baseline"]["link_MB_per_step"]})
     print_table(ratios, f"Emulated cluster {NODES} nodes x {RPN} ranks, bf16 GPT {args.n_layer}x{args.d_model}, "
                         f"{args.steps} steps: sdpq / baseline (< 1 = sdpq faster)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    print_table([{"backend": b, "loopback_baseline_s": t} for b, t in floor.items()],
+                "Compute floor: the baseline on loopback (no shaped link)")
     out.write_text(json.dumps({"args": vars(args), "date": time.strftime("%Y-%m-%d"), "link_Mbit_s": links,
+                               "compute_floor_s": floor,
                                "ratios": ratios, "runs": records}, indent=1))
     print(f"wrote {out}")
     return 0

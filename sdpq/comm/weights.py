@@ -105,13 +105,19 @@ class WeightGather:
             # Note: read the shard into a copy before writing `out` (FSDP2 passes a slice of out as
             # the input). fp32 for the quantized modes (differences in fp32), the output dtype for
             # the exact one (bitwise the plain gather, whatever the dtype).
-            w = torch.zeros(self.shard_numel, dtype=dtype if mode == "exact" else torch.float32, device=shard.device)
-            w[: shard.numel()] = shard.detach().reshape(-1)
+            w_dtype = dtype if mode == "exact" else torch.float32
+            if shard.numel() == self.shard_numel:
+                w = shard.detach().reshape(-1).to(w_dtype, copy=True)
+            else:
+                w = torch.zeros(self.shard_numel, dtype=w_dtype, device=shard.device)
+                w[: shard.numel()] = shard.detach().reshape(-1)
             wire_dtype = shard.dtype
             if mode == "diff":
                 if self.dirty:
                     self._refresh(w, wire_dtype)
-                full = self._gather_reference(dtype)
+                # Note: a padded `out` receives the node-interleaved rows directly (one copy, not two).
+                direct = out is not None and out.numel() == self.padded_numel and out.is_contiguous()
+                full = self._gather_reference(dtype, out.view(-1) if direct else None)
             elif mode == "direct":
                 full = self._gather_direct(w, dtype)
             else:
@@ -121,7 +127,8 @@ class WeightGather:
                 return full[: self.numel]
             if out.numel() not in (self.numel, self.padded_numel):
                 raise ValueError(f"out has {out.numel()} elements; expected {self.numel} or {self.padded_numel}")
-            out.view(-1).copy_(full[: out.numel()])
+            if full.data_ptr() != out.data_ptr():
+                out.view(-1).copy_(full[: out.numel()])
             return out
 
     __call__ = gather
@@ -254,7 +261,7 @@ class WeightGather:
             f"(checksums {sums.tolist()}); resyncing it exactly", ReferenceMismatchWarning, stacklevel=4)
         return True
 
-    def _gather_reference(self, dtype: torch.dtype) -> torch.Tensor:
+    def _gather_reference(self, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
         topo = self.topology
         L, nodes, C = topo.ranks_per_node, topo.nodes, self.shard_numel
         # Note: copy=True: the output must never alias the reference (the next refresh edits it).
@@ -267,7 +274,11 @@ class WeightGather:
             self._rec.record("weights", "intra", bytes=(L - 1) * src.numel() * itemsize,
                              elements=(L - 1) * valid, baseline_bytes=(L - 1) * valid * itemsize)
         # [L, nodes, C] -> global order [nodes, L, C]: chunk n * L + l.
-        return rows.view(L, nodes, C).transpose(0, 1).reshape(-1)
+        ordered = rows.view(L, nodes, C).transpose(0, 1)
+        if into is None:
+            return ordered.reshape(-1)
+        into.view(nodes, L, C).copy_(ordered)
+        return into
 
     # ------------------------------------------------------------------ direct / exact
 
