@@ -68,9 +68,8 @@ PAIRS = {"fsdp2+sdpq": ("fsdp2", "fsdp2-fp32"), "zero3+sdpq": ("zero3", "zero3-f
 _STEP = re.compile(r"^step\s+(\d+)\s+loss\S*\s+([0-9.]+)")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/demo", help="directory for results.json and loss.png")
-    p.add_argument("--steps", type=int, default=120)
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's layout and model options (shared with `sdpq bench step`, which runs its arms)."""
     p.add_argument("--ranks", type=int, default=4, help="total ranks (processes)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="simulated node size")
     p.add_argument("--d-model", type=int, default=192)
@@ -78,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/demo", help="directory for results.json and loss.png")
+    p.add_argument("--steps", type=int, default=120)
+    add_job_arguments(p)
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS,
                    help="default: the two bf16 baselines and their sdpq arms; fsdp2-fp32 / zero3-fp32 add fp32 "
                         "runs as context")

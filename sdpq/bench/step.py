@@ -70,13 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", choices=list(_ARMS), default=list(_ARMS))
     p.add_argument("--steps", type=int, default=16, help="training steps per arm")
     p.add_argument("--warmup", type=int, default=4, help="first steps left out of the figures")
-    p.add_argument("--ranks", type=int, default=4, help="total ranks (processes)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="simulated node size")
-    p.add_argument("--d-model", type=int, default=192)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
+    from ..demo import add_job_arguments
+
+    add_job_arguments(p)
     p.add_argument("--baseline", choices=["plain", "exact"], default="plain",
                    help="plain: the framework alone; exact: sdpq's exact collectives (the demo's baseline)")
     p.add_argument("--out", default=None, help="keep each arm's result JSON and log here (default: a temp dir)")

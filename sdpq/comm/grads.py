@@ -1,4 +1,4 @@
-"""Two-level quantized gradient reduce-scatter of one flat bucket (DESIGN.md section 3).
+"""Two-level quantized gradient reduce-scatter of one flat bucket (docs/architecture.md).
 
 SUM semantics: rank r gets sum over ranks of x[r*c : (r+1)*c] with c = ceil(numel / N) (the caller
 divides for an average). The bucket is viewed as N chunks (chunk r goes to rank r), each padded

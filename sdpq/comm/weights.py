@@ -1,4 +1,4 @@
-"""Weight all-gather of one flat bucket (DESIGN.md section 2).
+"""Weight all-gather of one flat bucket (docs/architecture.md).
 
 The bucket of `numel` elements is split into N equal shards of C = ceil(numel / N) (the last
 padded with zeros); rank r owns shard r. `gather(shard)` returns the full bucket on every rank.

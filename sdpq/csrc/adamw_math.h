@@ -17,6 +17,9 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+
+#include "simd.h"  // bf16 conversions
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -66,15 +69,7 @@ SDPQ_ADAMW_INLINE float fmadd(float a, float b, float c) {
 
 // ---------------------------------------------------------------------------- bf16
 
-SDPQ_ADAMW_INLINE float bf16_to_float(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
-
-// Round to nearest even, NaN kept (as c10::BFloat16). The selects are between integers: nothing
-// a branch could hide.
-SDPQ_ADAMW_INLINE uint16_t float_to_bf16(float f) {
-  const uint32_t u = bits_of(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-}
+// bf16_to_float and float_to_bf16 (round to nearest even, NaN kept): simd.h.
 
 // The same rounding without the NaN test, for intermediate values whose NaN is tested later: a
 // NaN produced by arithmetic (the default NaN, or one propagated from bf16 or torch tensors) has

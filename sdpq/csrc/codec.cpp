@@ -47,6 +47,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
     TORCH_CHECK(ref->sizes() == x.sizes() && ref->stride(1) == 1, "encode_rows: ref must match x");
   }
   const int64_t P = R / segments, row_numel = segments * n;
+  TORCH_CHECK(own_row < P, "encode_rows: own_row=", own_row, "; allowed: -1 (none) or 0..", P - 1);
   auto out = at::empty({P, spec.wire_bytes(row_numel)}, x.options().dtype(at::kByte));
   auto own = at::empty(own_row >= 0 ? std::vector<int64_t>{segments, n} : std::vector<int64_t>{0},
                        x.options().dtype(at::kFloat));

@@ -56,7 +56,7 @@ inline int64_t grain(int64_t tile) { return std::max<int64_t>(1, (int64_t{1} << 
 
 // ---------------------------------------------------------------------------- conversions
 
-inline float bf16_to_float(uint16_t b) {
+SDPQ_INLINE float bf16_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
   std::memcpy(&f, &u, 4);
@@ -64,7 +64,7 @@ inline float bf16_to_float(uint16_t b) {
 }
 
 // Round to nearest even, NaN kept (as c10::BFloat16).
-inline uint16_t float_to_bf16(float f) {
+SDPQ_INLINE uint16_t float_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;

@@ -1,5 +1,5 @@
 """AdamW with compressed states (FP8 with COAT expansion, bf16, or fp32) and optional MCF
-master weights (Collage): DESIGN.md section 4.
+master weights (Collage): see docs/architecture.md, "One training step".
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias correction, same operation
 order), evaluated in fp32 chunk by chunk: decode m and v, update them, encode them back, apply

@@ -1,4 +1,4 @@
-"""FP8 group quantization with COAT dynamic range expansion (DESIGN.md section 1).
+"""FP8 group quantization with COAT dynamic range expansion (docs/architecture.md).
 
 Groups of ``group_size`` consecutive values along the LAST dim (leading dims are
 independent rows, as in ``sdpq.quant.groupwise``). Per group, with mn = min |x| over the

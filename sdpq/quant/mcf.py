@@ -1,4 +1,4 @@
-"""Multi-component floats (Collage, DESIGN.md section 1): a value is a pair (hi, lo) of bf16
+"""Multi-component floats (Collage, docs/architecture.md): a value is a pair (hi, lo) of bf16
 tensors with hi = bf16(hi + lo), holding ~16 significant bits in 4 bytes.
 
 The formulas are the published ones; intermediate values that the formulas do not store are
