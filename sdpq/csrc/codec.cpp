@@ -22,7 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "quantize.h"
+#include "blocks.h"
 
 namespace sdpq {
 namespace {
@@ -191,6 +191,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
       // The sum lands where it is kept: the result (no re-encode), own_out (its segment), or scratch.
       float* acc = !encode ? result.data_ptr<float>() + c0
                    : e == own_seg ? own_out.data_ptr<float>() + col : static_cast<float*>(scratch);
+      // Fused in registers where the blocks fit (the common layouts); the tile-wise path below otherwise.
+      const RowSum rows{bp, bs, R, cb, spec, ownp, own_row, extra};
+      if (!encode && had.B > 1 && sum_inverse_hadamard(rows, had, c0, len, acc)) continue;
+      uint8_t* erow = encode ? result.data_ptr<uint8_t>() + e * result.size(1) : nullptr;
+      const int64_t ecb = enc.code_bytes(rowlen);
+      if (encode && sum_quantize(rows, enc, c0, len, e == own_seg ? acc : nullptr, erow, ecb, col / enc.G,
+                                 static_cast<uint32_t>(seed), flag)) {
+        continue;
+      }
       for (int64_t k = 0; k < R; ++k) {  // row order, as the reference's sum; the poison last
         const bool last = k == R - 1 && k > 0;
         if (k == own_row) {
@@ -219,12 +228,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
         if (had.B > 1) had.inverse(acc, len);
         continue;
       }
-      uint8_t* row = result.data_ptr<uint8_t>() + e * result.size(1);
-      const int64_t ecb = enc.code_bytes(rowlen);
       for (int64_t g0 = 0; g0 < len; g0 += enc.G) {
         const int64_t gi = (col + g0) / enc.G;
-        flag |= !quantize_group(acc + g0, std::min<int64_t>(enc.G, len - g0), enc, row + enc.group_code_offset(gi),
-                                row + ecb + gi * enc.scale_size, static_cast<uint32_t>(seed),
+        flag |= !quantize_group(acc + g0, std::min<int64_t>(enc.G, len - g0), enc, erow + enc.group_code_offset(gi),
+                                erow + ecb + gi * enc.scale_size, static_cast<uint32_t>(seed),
                                 static_cast<uint64_t>(c0 + g0));
       }
     }

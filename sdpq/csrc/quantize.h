@@ -209,30 +209,34 @@ SDPQ_INLINE f8 decode_vector(const uint8_t* codes, int64_t bits, f8 scale) {
   return __builtin_convertvector(c, f8) * scale;
 }
 
+// Scale of group gi of a wire row (scales at row + cb); NaN when not finite: every value of
+// such a group decodes to code * NaN = NaN.
+SDPQ_INLINE float read_scale(const uint8_t* row, int64_t cb, const Spec& sp, int64_t gi) {
+  float s;
+  if (sp.fp16) {
+    at::Half h;
+    std::memcpy(&h, row + cb + gi * 2, 2);
+    s = static_cast<float>(h);
+  } else {
+    std::memcpy(&s, row + cb + gi * 4, 4);
+  }
+  return std::isfinite(s) ? s : std::numeric_limits<float>::quiet_NaN();
+}
+
 // dst[0:len] = into(dst, decoded values [c0, c0 + len) of one wire row) (codes at row, scales
 // at row + cb); a non-finite scale decodes its whole group to NaN.
 template <Into kMode>
 inline void dequantize_span(const uint8_t* row, int64_t cb, const Spec& sp, int64_t c0, int64_t len, float* dst,
                             float extra = 0.0f) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
   const f8 ve = f8{} + extra;
   int64_t i = 0;
   while (i < len) {
     const int64_t pos = c0 + i, gi = pos / sp.G;
     const int64_t run = std::min(len - i, (gi + 1) * sp.G - pos);
-    float s;
-    if (sp.fp16) {
-      at::Half h;
-      std::memcpy(&h, row + cb + gi * 2, 2);
-      s = static_cast<float>(h);
-    } else {
-      std::memcpy(&s, row + cb + gi * 4, 4);
-    }
+    float s = read_scale(row, cb, sp, gi);
     float* d = dst + i;
     int64_t j = 0;
-    if (!std::isfinite(s)) {
-      s = nan;  // every value of the group: code * NaN
-    } else if (pos % 8 == 0) {
+    if (s == s && pos % 8 == 0) {
       const f8 vs = f8{} + s;
       for (; j + 8 <= run; j += 8)
         storeu(d + j, into<kMode>(loadu(d + j), decode_vector(row + (pos + j) * sp.bits / 8, sp.bits, vs), ve));
@@ -249,73 +253,6 @@ inline void dequantize_span(const uint8_t* row, int64_t cb, const Spec& sp, int6
       d[j] = into<kMode>(d[j], static_cast<float>(code) * s, extra);
     }
     i += run;
-  }
-}
-
-// ---------------------------------------------------------------------------- fused blocks
-
-// Hadamard block and quantization group of the same size (NV * 8 values): the block is loaded,
-// transformed, measured and encoded without leaving registers; it is stored only to `keep`
-// (when not null). Bitwise the same as forward() followed by quantize_group().
-template <int NV>
-inline bool hadamard_quantize_block(const Hadamard& had, const float* src, float* keep, const Spec& sp,
-                                    uint8_t* codes, uint8_t* scale_dst, uint32_t seed, uint64_t pos0) {
-  f8 r[NV];
-#pragma GCC unroll 16
-  for (int k = 0; k < NV; ++k) r[k] = loadu(src + 8 * k);
-  had.transform_registers<NV, true>(r);
-  const i8 absmask = i8{} + 0x7FFFFFFF;
-  f8 m = {};
-  i8 isnan = {};
-#pragma GCC unroll 16
-  for (int k = 0; k < NV; ++k) {
-    if (keep) storeu(keep + 8 * k, r[k]);
-    const f8 a = (f8)((i8)r[k] & absmask);
-    m = a > m ? a : m;
-    isnan |= r[k] != r[k];
-  }
-  float amax = 0.0f;
-  bool nan = false;
-  for (int k = 0; k < 8; ++k) {
-    amax = m[k] > amax ? m[k] : amax;
-    nan |= isnan[k] != 0;
-  }
-  const GroupScale gs(amax, nan, sp);
-  if (!gs.finite) {
-    std::memset(codes, 0, NV * sp.bits);
-  } else {
-    const f8 scale = f8{} + gs.safe;
-    const float qmax = static_cast<float>(sp.qmax);
-    with_format(sp, [&](auto bits, auto stochastic) {
-#pragma GCC unroll 16
-      for (int k = 0; k < NV; ++k) encode_vector<bits, stochastic>(r[k], scale, qmax, seed, pos0 + 8 * k, codes + k * bits);
-    });
-  }
-  gs.write(sp, scale_dst);
-  return gs.finite;
-}
-
-// Transform and encode src[0:len] (whole groups; group gi0 onwards of a wire row whose scales
-// start at row + cb) when the Hadamard block is the group size and fits in registers; false
-// (nothing done) otherwise. `bad` is set when a group held inf/NaN.
-inline bool hadamard_quantize(const Hadamard& had, const float* src, float* keep, int64_t len, const Spec& sp,
-                              uint8_t* row, int64_t cb, int64_t gi0, uint32_t seed, uint64_t pos0, bool& bad) {
-  if (had.B != sp.G || len % sp.G != 0) return false;
-  auto run = [&](auto nv) {
-    constexpr int NV = decltype(nv)::value;
-    for (int64_t g = 0; g < len / sp.G; ++g) {
-      const int64_t off = g * sp.G;
-      bad |= !hadamard_quantize_block<NV>(had, src + off, keep ? keep + off : nullptr, sp,
-                                          row + sp.group_code_offset(gi0 + g), row + cb + (gi0 + g) * sp.scale_size,
-                                          seed, pos0 + off);
-    }
-    return true;
-  };
-  switch (sp.G) {
-    case 32: return run(std::integral_constant<int, 4>{});
-    case 64: return run(std::integral_constant<int, 8>{});
-    case 128: return run(std::integral_constant<int, 16>{});
-    default: return false;
   }
 }
 

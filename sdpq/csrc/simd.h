@@ -148,6 +148,16 @@ SDPQ_INLINE float into(float d, float v, float extra) {
   return (d + v) + extra;
 }
 
+// f(std::integral_constant<Into, mode>) with the mode as a compile-time constant.
+template <typename F>
+SDPQ_INLINE void with_into(Into mode, F&& f) {
+  switch (mode) {
+    case Into::kStore: return f(std::integral_constant<Into, Into::kStore>{});
+    case Into::kAdd: return f(std::integral_constant<Into, Into::kAdd>{});
+    case Into::kAddExtra: return f(std::integral_constant<Into, Into::kAddExtra>{});
+  }
+}
+
 // d[0:len] = into(d, src, extra) elementwise.
 template <Into kMode>
 inline void combine(float* d, const float* src, int64_t len, float extra) {

@@ -8,8 +8,8 @@ counter-based stream instead of torch's generator: it is held to the quantizer's
 than one step from the value, on the two neighbouring codes) and to unbiasedness, and must not
 depend on the number of threads.
 
-The operators are called directly: the test session runs sdpq.quant.fused in Triton's
-interpreter mode (tests/conftest.py), which routes the public functions to the Triton kernels.
+The operators are called directly, next to the reference functions. (The collectives' tests in
+tests/comm run the same kernels through sdpq.quant.fused, which calls them for CPU tensors.)
 """
 
 import os

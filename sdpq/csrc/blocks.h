@@ -1,0 +1,166 @@
+// Fused blocks of NV * 8 values (NV <= 16: up to 128 values, 16 AVX2 registers) that go from
+// their inputs to their outputs without leaving registers: the Hadamard transform, the sum of
+// received rows, absmax, quantization and packing. Each is bitwise the same as the tile-wise
+// composition it replaces (forward / inverse, dequantize_span + combine, quantize_group): the
+// same fp32 operations in the same order.
+#pragma once
+
+#include "hadamard.h"
+#include "quantize.h"
+#include "simd.h"
+
+namespace sdpq {
+
+// Calls f(std::integral_constant<int, NV>) for NV = size / 8 when the block fits in registers.
+template <typename F>
+inline bool with_block(int64_t size, F&& f) {
+  switch (size) {
+    case 32: return f(std::integral_constant<int, 4>{});
+    case 64: return f(std::integral_constant<int, 8>{});
+    case 128: return f(std::integral_constant<int, 16>{});
+    default: return false;
+  }
+}
+
+// Quantize the group held in r (NV * 8 values, NV * 8 == sp.G), storing it to `keep` too when
+// not null. Bitwise quantize_group(). Returns false when the group held inf/NaN.
+template <int NV>
+SDPQ_INLINE bool quantize_registers(const f8 (&r)[NV], float* keep, const Spec& sp, uint8_t* codes,
+                                    uint8_t* scale_dst, uint32_t seed, uint64_t pos0) {
+  const i8 absmask = i8{} + 0x7FFFFFFF;
+  f8 m = {};
+  i8 isnan = {};
+#pragma GCC unroll 16
+  for (int k = 0; k < NV; ++k) {
+    if (keep) storeu(keep + 8 * k, r[k]);
+    const f8 a = (f8)((i8)r[k] & absmask);
+    m = a > m ? a : m;
+    isnan |= r[k] != r[k];
+  }
+  float amax = 0.0f;
+  bool nan = false;
+  for (int k = 0; k < 8; ++k) {
+    amax = m[k] > amax ? m[k] : amax;
+    nan |= isnan[k] != 0;
+  }
+  const GroupScale gs(amax, nan, sp);
+  if (!gs.finite) {
+    std::memset(codes, 0, NV * sp.bits);
+  } else {
+    const f8 scale = f8{} + gs.safe;
+    const float qmax = static_cast<float>(sp.qmax);
+    with_format(sp, [&](auto bits, auto stochastic) {
+#pragma GCC unroll 16
+      for (int k = 0; k < NV; ++k) encode_vector<bits, stochastic>(r[k], scale, qmax, seed, pos0 + 8 * k, codes + k * bits);
+    });
+  }
+  gs.write(sp, scale_dst);
+  return gs.finite;
+}
+
+// Transform and encode src[0:len] (whole groups; group gi0 onwards of a wire row whose scales
+// start at row + cb) when the Hadamard block is the group size and fits in registers; false
+// (nothing done) otherwise. Kept rows go to `keep` (when not null). `bad`: a group held inf/NaN.
+inline bool hadamard_quantize(const Hadamard& had, const float* src, float* keep, int64_t len, const Spec& sp,
+                              uint8_t* row, int64_t cb, int64_t gi0, uint32_t seed, uint64_t pos0, bool& bad) {
+  if (had.B != sp.G || len % sp.G != 0) return false;
+  return with_block(sp.G, [&](auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    for (int64_t off = 0; off < len; off += sp.G) {
+      const int64_t gi = gi0 + off / sp.G;
+      f8 r[NV];
+#pragma GCC unroll 16
+      for (int k = 0; k < NV; ++k) r[k] = loadu(src + off + 8 * k);
+      had.transform_registers<NV, true>(r);
+      bad |= !quantize_registers<NV>(r, keep ? keep + off : nullptr, sp, row + sp.group_code_offset(gi),
+                                     row + cb + gi * sp.scale_size, seed, pos0 + off);
+    }
+    return true;
+  });
+}
+
+// The received rows of a reduce, for summing in registers: R wire rows (stride bs, codes of
+// `sp`, scales at + cb), row own_row replaced by the fp32 `own`, NaN `extra` added last.
+struct RowSum {
+  const uint8_t* buf;
+  int64_t bs, R, cb;
+  const Spec& sp;
+  const float* own;
+  int64_t own_row;
+  float extra;
+
+  // r = the sum of elements [pos, pos + NV * 8) (pos a multiple of 8, sp.G a multiple of 8), in
+  // row order: bitwise dequantize_span<kStore / kAdd / kAddExtra> as the reduce kernel chains them.
+  // Every decision (own row, bit width, where in the chain) is taken once per row, not per vector.
+  template <int NV>
+  SDPQ_INLINE void load(int64_t pos, f8 (&r)[NV]) const {
+    const f8 ve = f8{} + extra;
+    for (int64_t k = 0; k < R; ++k) {
+      const Into mode = k == 0 ? Into::kStore : (k == R - 1 ? Into::kAddExtra : Into::kAdd);
+      with_into(mode, [&](auto m) {
+        if (k == own_row) {
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) r[j] = into<m.value>(r[j], loadu(own + pos + 8 * j), ve);
+          return;
+        }
+        const uint8_t* row = buf + k * bs;
+        auto decode = [&](auto bits) {
+          int64_t gi = -1;
+          f8 scale = {};
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) {
+            const int64_t e = pos + 8 * j;
+            if (e / sp.G != gi) {  // once per group (per block when the group holds the block)
+              gi = e / sp.G;
+              scale = f8{} + read_scale(row, cb, sp, gi);
+            }
+            r[j] = into<m.value>(r[j], decode_vector(row + e * bits.value / 8, bits.value, scale), ve);
+          }
+        };
+        sp.bits == 8 ? decode(std::integral_constant<int, 8>{}) : decode(std::integral_constant<int, 4>{});
+      });
+    }
+    if (R == 1) {
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) r[j] = r[j] + ve;
+    }
+  }
+};
+
+// dst[0:len] = inverse Hadamard of the row sum of elements [c0, c0 + len), a block at a time
+// in registers; false (nothing done) when the block does not fit or the tile is not aligned.
+inline bool sum_inverse_hadamard(const RowSum& rows, const Hadamard& had, int64_t c0, int64_t len, float* dst) {
+  if (had.B < 32 || len % had.B != 0 || c0 % 8 != 0 || rows.sp.G % 8 != 0) return false;
+  return with_block(had.B, [&](auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    for (int64_t off = 0; off < len; off += had.B) {
+      f8 r[NV];
+      rows.load<NV>(c0 + off, r);
+      had.transform_registers<NV, false>(r);
+#pragma GCC unroll 16
+      for (int k = 0; k < NV; ++k) storeu(dst + off + 8 * k, r[k]);
+    }
+    return true;
+  });
+}
+
+// Re-encode the row sum of elements [c0, c0 + len) as groups of `enc` (group gi0 onwards of
+// the output row at `row`, scales at + cb), keeping the sum in `keep` when not null; false
+// (nothing done) when a group does not fit in registers or the tile is not aligned.
+inline bool sum_quantize(const RowSum& rows, const Spec& enc, int64_t c0, int64_t len, float* keep, uint8_t* row,
+                         int64_t cb, int64_t gi0, uint32_t seed, bool& bad) {
+  if (len % enc.G != 0 || c0 % 8 != 0 || rows.sp.G % 8 != 0) return false;
+  return with_block(enc.G, [&](auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    for (int64_t off = 0; off < len; off += enc.G) {
+      const int64_t gi = gi0 + off / enc.G;
+      f8 r[NV];
+      rows.load<NV>(c0 + off, r);
+      bad |= !quantize_registers<NV>(r, keep ? keep + off : nullptr, enc, row + enc.group_code_offset(gi),
+                                     row + cb + gi * enc.scale_size, seed, static_cast<uint64_t>(c0 + off));
+    }
+    return true;
+  });
+}
+
+}  // namespace sdpq
