@@ -81,7 +81,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="directory for results.json and loss.png")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=60)
     add_job_arguments(p)
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS,
                    help="default: the two bf16 baselines and their sdpq arms; fsdp2-fp32 / zero3-fp32 add fp32 "
