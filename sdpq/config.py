@@ -47,7 +47,9 @@ def _check_int(path: str, value: Any, lo: int, hi: int | None = None) -> None:
 
 
 def _check_choice(path: str, value: Any, choices: tuple) -> None:
-    if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+    # Note: the type must match too: 4.0 == 4 and True == 1 in Python, but `bits: 4.0` would reach
+    # the codec as a float (shifts fail mid-training) and `bits: true` is a typo.
+    if value not in choices or type(value) is not type(choices[0]):
         _fail(path, value, ", ".join(repr(c) for c in choices))
 
 

@@ -35,6 +35,8 @@ def test_unknown_nested_key_names_path_and_allowed_keys():
         ({"gradients": {"hadamard": "yes"}}, "sdpq.gradients.hadamard", "'yes'"),
         ({"stats": {"error_sample_every": 1.5}}, "sdpq.stats.error_sample_every", "1.5"),
         ({"weights": {"bits": True}}, "sdpq.weights.bits", "True"),
+        ({"weights": {"bits": 4.0}}, "sdpq.weights.bits", "4.0"),  # equal to 4, but a float reaches the codec
+        ({"gradients": {"inter_bits": 8.0}}, "sdpq.gradients.inter_bits", "8.0"),
         ({"topology": {"ranks_per_node": "four"}}, "sdpq.topology.ranks_per_node", "'four'"),
         ({"gradients": []}, "sdpq.gradients", "[]"),
     ],
