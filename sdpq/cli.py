@@ -56,8 +56,16 @@ def _run_config(args: argparse.Namespace) -> int:
             return 2
         if cfg is None:
             print(f'{args.check}: no "sdpq" block (plain DeepSpeed)')
-        else:
-            print(json.dumps(cfg.to_dict(), indent=1))
+            return 0
+        from .integrations._ds_config import IncompatibleConfigError, check_config
+
+        try:  # the checks sdpq.deepspeed.initialize makes against the rest of the file
+            with open(args.check) as f:
+                check_config(json.load(f), cfg)
+        except IncompatibleConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(cfg.to_dict(), indent=1))
         return 0
     print(json.dumps(Config().to_dict(), indent=1))
     return 0

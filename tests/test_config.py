@@ -121,3 +121,21 @@ def test_committed_reference_is_current():
 
     committed = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
     assert committed.strip() == describe().strip(), "regenerate: sdpq config --doc > docs/config.md"
+
+
+@pytest.mark.parametrize("zero,message", [
+    ({"stage": 2}, "ZeRO stage 3"),
+    ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
+    ({"stage": 3, "offload_param": {"device": "nvme"}}, "nvme"),
+])
+def test_config_check_runs_the_checks_of_initialize(tmp_path, capsys, zero, message):
+    """`sdpq config --check` rejects what sdpq.deepspeed.initialize rejects, and passes what it starts."""
+    from sdpq.cli import main
+
+    path = tmp_path / "ds.json"
+    base = {"train_batch_size": 8, "bf16": {"enabled": True}, "sdpq": {"optimizer": {"enabled": False}}}
+    path.write_text(json.dumps({**base, "zero_optimization": zero}))
+    assert main(["config", "--check", str(path)]) == 2
+    assert message in capsys.readouterr().err
+    path.write_text(json.dumps({**base, "zero_optimization": {"stage": 3}}))
+    assert main(["config", "--check", str(path)]) == 0

@@ -422,11 +422,11 @@ def test_ds_configs_are_valid_and_documented():
         if f in ("zero3.json", "zero3_zeropp.json"):
             assert cfg is None
             continue
-        out = sds._prepare(ds, cfg, {})
+        out = sds.prepare_config(ds, cfg, {})
         assert "sdpq" not in out and out["zero_optimization"]["stage"] == 3
     zpp = json.load(open(os.path.join(CONFIGS, "zero3_zeropp.json")))
     with pytest.raises(sds.IncompatibleConfigError, match="ZeRO\\+\\+"):
-        sds._prepare({**zpp, "sdpq": {"weights": {}}}, Config(), {})
+        sds.prepare_config({**zpp, "sdpq": {"weights": {}}}, Config(), {})
 
 
 def _configs_fn(ctx):
