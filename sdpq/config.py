@@ -156,7 +156,8 @@ class GradientsConfig(_Section):
         their inter-node flag is silently ignored; ours is honoured).
     hadamard: randomized blockwise Walsh-Hadamard smoothing before quantization, inverted
         once after the final sum (spreads outliers so 4-bit groups lose less).
-    hadamard_block: transform block (power of two, <= both group sizes is typical).
+    hadamard_block: transform block (power of two, <= both group sizes is typical; a block larger
+        than a rank's chunk of the bucket is clamped to the chunk rounded up to a power of two).
     rounding: "stochastic" (unbiased; SDP4Bit default) or "nearest".
     scale_dtype: "fp32" or "fp16" wire scales.
     error_feedback: keep the 4-bit stage's residual and add it before the next quantization.

@@ -67,8 +67,12 @@ class GradReduceScatter:
         self.chunk_numel = -(-numel // N)
         cn = self.chunk_numel
         valid = [max(0, min(cn, numel - r * cn)) for r in range(N)]
-        align = max(c.intra_group_size if L > 1 else 1, c.inter_group_size if nodes > 1 else 1,
-                    c.hadamard_block if c.hadamard else 1)
+        groups = max(c.intra_group_size if L > 1 else 1, c.inter_group_size if nodes > 1 else 1)
+        # Note: a Hadamard block larger than the chunk would pad every chunk up to the block (a
+        # 65536 block on 1024-element chunks sends ~64x the bytes); it is clamped to the chunk
+        # rounded up to a power of two (never below the groups). Every rank derives the same block.
+        self.hadamard_block = min(c.hadamard_block, max(groups, 1 << max(0, cn - 1).bit_length())) if c.hadamard else 1
+        align = max(groups, self.hadamard_block)
         # Fewer slices for small buckets: each slice must hold at least one aligned block.
         self.slices = max(1, min(c.pipeline_chunks, -(-cn // align)))
         step = align * self.slices
@@ -183,7 +187,7 @@ class GradReduceScatter:
             self.residual = torch.zeros((nodes, C), dtype=torch.float32, device=x.device)
         sample = self._rec.sample_due(self.calls)
         gen = self._generator(x.device)
-        had = (c.hadamard_block, c.seed) if c.hadamard else None
+        had = (self.hadamard_block, c.seed) if c.hadamard else None
         # The fused path re-quantizes the intra-node sum inside the reduction; error feedback and
         # error sampling need the node partial itself, so they take the unfused inter stage.
         fused_inter = self.residual is None and not sample

@@ -68,7 +68,7 @@ def rs_error_bound(inputs: torch.Tensor, rank: int, ranks_per_node: int, rs) -> 
     X = X.view(N, N, cn)
     Xp = torch.zeros(N, N, C)
     Xp[:, :, :cn] = X
-    Y = hadamard(Xp, cfg.hadamard_block, cfg.seed).double() if cfg.hadamard else Xp.double()
+    Y = hadamard(Xp, rs.hadamard_block, cfg.seed).double() if cfg.hadamard else Xp.double()
     Yd = Y[:, rank, :]  # [N sources, C]
     delta = 0.5 if cfg.rounding == "nearest" else 1.0
 
@@ -93,7 +93,7 @@ def rs_error_bound(inputs: torch.Tensor, rank: int, ranks_per_node: int, rs) -> 
             T += delta * s2
     T = T * (1 + 1e-5) + 1e-5 * Yd.abs().sum(0)
     if cfg.hadamard:
-        B = cfg.hadamard_block
+        B = rs.hadamard_block
         return T.view(-1, B).norm(dim=-1), "block_l2"
     return T, "elementwise"
 
