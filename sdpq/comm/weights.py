@@ -20,6 +20,7 @@ against the reconstruction, so each refresh's error is fed back into the next on
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import torch
 
@@ -27,6 +28,7 @@ from ..config import StatsConfig, WeightsConfig
 from ..quant import QuantSpec
 from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
 from . import timing
+from .agreement import WIRE_FORMAT, check_agreement
 from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
 from .stats import CommStats, Recorder
@@ -78,6 +80,9 @@ class WeightGather:
         c = self.config
         self.spec = QuantSpec(bits=c.bits if c.mode == "diff" else 8, group_size=c.group_size,
                               rounding=c.rounding, scale_dtype=_SCALE_DTYPES[c.scale_dtype])
+        check_agreement("WeightGather", {"wire_format": WIRE_FORMAT, "weights": dataclasses.asdict(c), "numel": numel,
+                                         "dtype": str(dtype), "reference_dtype": str(reference_dtype),
+                                         "layout": topology.layout}, topology.world_group)
         self.reference: torch.Tensor | None = None  # R_l: [nodes, C]
         self.dirty = True
         self.version = 0  # refreshes done

@@ -168,3 +168,29 @@ def test_hadamard_block_larger_than_the_chunk_is_clamped(dist):
         assert r["ratio"] <= 1.0
         assert r["stats"]["gradients"]["inter"]["bits_per_element"] <= 4.3
         assert r["stats"]["gradients"]["intra"]["bits_per_element"] <= 8.3
+
+
+def _build_with(ctx, kwargs_by_rank, numel_by_rank):
+    from sdpq.config import ConfigError
+
+    topo = Topology.build(ctx.ranks_per_node)
+    try:
+        GradReduceScatter(numel_by_rank[ctx.rank], topo, GradientsConfig(**kwargs_by_rank[ctx.rank]))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("key,value", [("seed", 7), ("hadamard", False), ("inter_bits", 8), ("numel", 8192)])
+def test_ranks_that_disagree_fail_alike_with_the_setting_named(dist, key, value):
+    """One rank built from another config (or another bucket size): every rank raises the same
+    error naming the setting and who holds what, at construction, before any gradient moves."""
+    kwargs = [{} for _ in range(4)]
+    numel = [4096] * 4
+    if key == "numel":
+        numel[3] = value
+    else:
+        kwargs[3] = {key: value}
+    errors = dist.run(_build_with, 4, 2, kwargs, numel)
+    assert all(e is not None for e in errors) and len(set(errors)) == 1, errors
+    assert key in errors[0] and "on ranks [3]" in errors[0] and "on ranks [0, 1, 2]" in errors[0]

@@ -1,0 +1,54 @@
+"""Every rank must build a collective from the same settings, or the wire formats disagree.
+
+A rank with another seed, Hadamard flag, bit width or bucket size than its peers does not fail
+by itself: it sends bytes its peers decode differently (silently wrong sums) or of another size
+(gloo aborts the process). `check_agreement` runs once when a collective is built (one small
+all-gather of the settings, none per step) and raises the same `ConfigError` on every rank,
+naming each differing setting and which ranks hold which value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from ..config import ConfigError
+
+__all__ = ["check_agreement", "WIRE_FORMAT"]
+
+# Bumped whenever the bytes on the wire change meaning (layout of codes and scales, rounding
+# streams): ranks running different sdpq releases with one format may still talk.
+WIRE_FORMAT = 1
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = repr(value)
+
+
+def check_agreement(what: str, settings: Mapping[str, Any], group) -> None:
+    """Raise ConfigError on every rank of `group` unless all of them passed equal `settings`
+    (nested mappings of plain values). Collective: every rank of the group must call it."""
+    k = 1 if group is None else dist.get_world_size(group)
+    if k == 1:
+        return
+    mine: dict[str, str] = {}
+    _flatten("", settings, mine)
+    everyone: list[dict[str, str] | None] = [None] * k
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    keys = sorted(set().union(*everyone))
+    diffs = []
+    for key in keys:
+        held: dict[str, list[int]] = {}
+        for r, d in zip(ranks, everyone):
+            held.setdefault(d.get(key, "<missing>"), []).append(r)
+        if len(held) > 1:
+            diffs.append(f"{key}: " + "; ".join(f"{v} on ranks {rs}" for v, rs in held.items()))
+    if diffs:
+        raise ConfigError(f"{what}: the ranks disagree on settings that shape the wire, so their collectives "
+                          f"cannot work together ({len(diffs)} differing): " + " | ".join(diffs[:5]))
