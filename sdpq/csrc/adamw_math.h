@@ -34,17 +34,7 @@ namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-SDPQ_ADAMW_INLINE uint32_t bits_of(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-
-SDPQ_ADAMW_INLINE float float_of(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+// bits_of / float_of (the bits of a float and back): simd.h.
 
 // c ? a : b as a bitwise blend. GCC (with the default -ftrapping-math) moves float operations
 // that only one side of a ?: needs into a branch, and then does not vectorize the loop; with

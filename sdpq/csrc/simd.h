@@ -56,17 +56,23 @@ inline int64_t grain(int64_t tile) { return std::max<int64_t>(1, (int64_t{1} << 
 
 // ---------------------------------------------------------------------------- conversions
 
-SDPQ_INLINE float bf16_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+SDPQ_INLINE uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
 }
+
+SDPQ_INLINE float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+SDPQ_INLINE float bf16_to_float(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
 
 // Round to nearest even, NaN kept (as c10::BFloat16).
 SDPQ_INLINE uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  const uint32_t u = bits_of(f);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
 }
