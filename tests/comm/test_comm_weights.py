@@ -199,3 +199,22 @@ def _aliasing(ctx, numel):
 def test_input_aliasing_output(dist):
     for diff, direct, exact in dist.run(_aliasing, 4, 2, 4 * 2048):
         assert diff == 0.0 and exact == 0.0 and direct < 0.05
+
+
+def _gather_built_with(ctx, bits_by_rank, dtype_by_rank):
+    from sdpq.config import ConfigError
+
+    topo = Topology.build(ctx.ranks_per_node)
+    try:
+        WeightGather(4096, topo, WeightsConfig(bits=bits_by_rank[ctx.rank]), dtype=dtype_by_rank[ctx.rank])
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_disagree_fail_alike_with_the_setting_named(dist):
+    errors = dist.run(_gather_built_with, 4, 2, [4, 4, 8, 4], [torch.bfloat16] * 3 + [torch.float32])
+    assert all(e is not None for e in errors) and len(set(errors)) == 1, errors
+    assert "weights.bits: 4 on ranks [0, 1, 3]; 8 on ranks [2]" in errors[0]
+    assert "dtype: 'torch.bfloat16' on ranks [0, 1, 2]; 'torch.float32' on ranks [3]" in errors[0]
+    assert dist.run(_gather_built_with, 4, 2, [4] * 4, [torch.bfloat16] * 4) == [None] * 4
