@@ -11,17 +11,6 @@
 
 namespace sdpq {
 
-// Calls f(std::integral_constant<int, NV>) for NV = size / 8 when the block fits in registers.
-template <typename F>
-inline bool with_block(int64_t size, F&& f) {
-  switch (size) {
-    case 32: return f(std::integral_constant<int, 4>{});
-    case 64: return f(std::integral_constant<int, 8>{});
-    case 128: return f(std::integral_constant<int, 16>{});
-    default: return false;
-  }
-}
-
 // Quantize the group held in r (NV * 8 values, NV * 8 == sp.G), storing it to `keep` too when
 // not null. Bitwise quantize_group(). Returns false when the group held inf/NaN.
 template <int NV>
@@ -130,7 +119,7 @@ struct RowSum {
 // dst[0:len] = inverse Hadamard of the row sum of elements [c0, c0 + len), a block at a time
 // in registers; false (nothing done) when the block does not fit or the tile is not aligned.
 inline bool sum_inverse_hadamard(const RowSum& rows, const Hadamard& had, int64_t c0, int64_t len, float* dst) {
-  if (had.B < 32 || len % had.B != 0 || c0 % 8 != 0 || rows.sp.G % 8 != 0) return false;
+  if (len % had.B != 0 || c0 % 8 != 0 || rows.sp.G % 8 != 0) return false;
   return with_block(had.B, [&](auto nv) {
     constexpr int NV = decltype(nv)::value;
     for (int64_t off = 0; off < len; off += had.B) {

@@ -102,19 +102,12 @@ struct Hadamard {
 
   template <bool kForward>
   bool try_registers(const float* src, float* dst, int64_t len) const {
-    auto run = [&](auto nv) {
+    return with_block(B, [&](auto nv) {
       for (int64_t b0 = 0; b0 < len; b0 += B) block_in_registers<decltype(nv)::value, kForward>(src + b0, dst + b0);
       return true;
-    };
-    switch (B) {
-      case 8: return run(std::integral_constant<int, 1>{});
-      case 16: return run(std::integral_constant<int, 2>{});
-      case 32: return run(std::integral_constant<int, 4>{});
-      case 64: return run(std::integral_constant<int, 8>{});
-      case 128: return run(std::integral_constant<int, 16>{});
-      default: return false;
-    }
+    });
   }
+
 
   // dst[0:len] = the transform of src[0:len] (dst may be src).
   void forward(const float* src, float* dst, int64_t len) const {

@@ -136,6 +136,20 @@ inline void subtract(const float* a, const float* b, int64_t len, float* dst) {
   for (; i < len; ++i) dst[i] = a[i] - b[i];
 }
 
+// f(std::integral_constant<int, NV>) for a block of NV = size / 8 vectors that fits in the 16
+// vector registers (size 8..128, a power of two); false (f not called) for any other size.
+template <typename F>
+inline bool with_block(int64_t size, F&& f) {
+  switch (size) {
+    case 8: return f(std::integral_constant<int, 1>{});
+    case 16: return f(std::integral_constant<int, 2>{});
+    case 32: return f(std::integral_constant<int, 4>{});
+    case 64: return f(std::integral_constant<int, 8>{});
+    case 128: return f(std::integral_constant<int, 16>{});
+    default: return false;
+  }
+}
+
 // How a computed span lands in its destination d: d = v, d = d + v, or d = (d + v) + extra
 // (the reference's order of additions: the running sum first, the NaN poison last).
 enum class Into { kStore, kAdd, kAddExtra };

@@ -54,12 +54,12 @@ def _data(rows: int, n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 SPECS = [QuantSpec(4, 2048), QuantSpec(8, 128), QuantSpec(4, 128, scale_dtype=torch.float16),
-         QuantSpec(8, 64, scale_dtype=torch.float16), QuantSpec(4, 6)]
+         QuantSpec(8, 64, scale_dtype=torch.float16), QuantSpec(8, 16), QuantSpec(4, 6)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("hadamard", [None, (64, 3), (128, 5)], ids=str)
+@pytest.mark.parametrize("hadamard", [None, (16, 4), (64, 3), (128, 5)], ids=str)
 @pytest.mark.parametrize("segments", [1, 2])
 def test_encode_bitwise(spec, dtype, hadamard, segments):
     n = 2 * 3 * 2048 if segments > 1 else 3 * 2048 + (0 if hadamard else 100)  # short last group
@@ -93,7 +93,7 @@ def test_decode_bitwise(spec, out_dtype, add):
 
 @pytest.mark.parametrize("rows", [1, 2, 5])  # 5: torch's sum(0) would reorder; the row order is the contract
 @pytest.mark.parametrize("bad", [False, True])
-@pytest.mark.parametrize("hadamard", [None, (128, 2)], ids=str)
+@pytest.mark.parametrize("hadamard", [None, (16, 1), (128, 2)], ids=str)
 def test_reduce_bitwise(rows, bad, hadamard):
     spec, n = QuantSpec(8, 128), 4 * 2048
     wire = _encode_rows_ref(_data(rows, n, seed=rows), spec, None, 1, None, None, None)[0]
