@@ -96,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
           load_float(xp + r * xs, xt, c0, len, v);
           if (rp) {
             load_float(rp + r * rs, rt, c0, len, tmp);
-            for (int64_t i = 0; i < len; ++i) v[i] = v[i] - tmp[i];
+            subtract(v, tmp, len, v);
           }
         }
         if (had.B > 1) had.forward(v, len);
