@@ -46,11 +46,20 @@ def _check_int(path: str, value: Any, lo: int, hi: int | None = None) -> None:
         _fail(path, value, f"an integer in [{lo}, {hi if hi is not None else 'inf'}]")
 
 
+# Values that earlier releases accepted, with why they are refused now.
+_RETIRED = {
+    ("scale_dtype", "fp16"): "fp16 scales lose whole groups: a 4-bit group with absmax below about "
+    "4e-7 decodes as zeros and one above 4.6e5 as NaN (gradients span both); use 'bf16' (the same "
+    "16 bits per group, the range of fp32)",
+}
+
+
 def _check_choice(path: str, value: Any, choices: tuple) -> None:
     # Note: the type must match too: 4.0 == 4 and True == 1 in Python, but `bits: 4.0` would reach
     # the codec as a float (shifts fail mid-training) and `bits: true` is a typo.
     if value not in choices or type(value) is not type(choices[0]):
-        _fail(path, value, ", ".join(repr(c) for c in choices))
+        why = _RETIRED.get((path.rsplit(".", 1)[-1], value))
+        _fail(path, value, ", ".join(repr(c) for c in choices) + (f" ({why})" if why else ""))
 
 
 def _check_power_of_two(path: str, value: Any, lo: int, hi: int) -> None:
@@ -121,7 +130,9 @@ class WeightsConfig(_Section):
         weights cost SDP4Bit 2.573 vs 2.294 validation loss on GPT-125M).
     group_size: elements per absmax scale; 2048 gives 4 + 32/2048 = 4.016 bits per element.
     rounding: "nearest" (weights: errors are fed back by the reference) or "stochastic".
-    scale_dtype: "fp32" or "fp16" wire scales.
+    scale_dtype: wire scale format: "fp32" (32 bits per group) or "bf16" (16 bits, rounded up;
+        same range as fp32, so no finite group is lost). "fp16" is refused: it loses groups of
+        small or large values.
     resync_every: every N weight versions exchange the exact shard instead of the
         difference (0 = only the first refresh).
     verify_every: every N refreshes compare a checksum of the reference across its holders;
@@ -132,7 +143,7 @@ class WeightsConfig(_Section):
     bits: int = 4
     group_size: int = 2048
     rounding: Literal["nearest", "stochastic"] = "nearest"
-    scale_dtype: Literal["fp32", "fp16"] = "fp32"
+    scale_dtype: Literal["fp32", "bf16"] = "fp32"
     resync_every: int = 0
     verify_every: int = 100
 
@@ -155,11 +166,14 @@ class GradientsConfig(_Section):
     intra_group_size / inter_group_size: elements per scale of each stage (SDP4Bit: 128;
         their inter-node flag is silently ignored; ours is honoured).
     hadamard: randomized blockwise Walsh-Hadamard smoothing before quantization, inverted
-        once after the final sum (spreads outliers so 4-bit groups lose less).
+        once after the final sum (spreads outliers so 4-bit groups lose less; computed so that
+        no finite gradient overflows, up to the fp32 maximum).
     hadamard_block: transform block (power of two, <= both group sizes is typical; a block larger
         than a rank's chunk of the bucket is clamped to the chunk rounded up to a power of two).
     rounding: "stochastic" (unbiased; SDP4Bit default) or "nearest".
-    scale_dtype: "fp32" or "fp16" wire scales.
+    scale_dtype: wire scale format: "fp32" (32 bits per group) or "bf16" (16 bits, rounded up;
+        same range as fp32, so no finite group is lost). "fp16" is refused: it loses groups of
+        small or large values.
     error_feedback: keep the 4-bit stage's residual and add it before the next quantization.
     pipeline_chunks: slices whose inter-node stage overlaps the next slice's intra-node stage.
     seed: shared seed of the Hadamard signs and stochastic rounding streams.
@@ -173,7 +187,7 @@ class GradientsConfig(_Section):
     hadamard: bool = True
     hadamard_block: int = 128
     rounding: Literal["stochastic", "nearest"] = "stochastic"
-    scale_dtype: Literal["fp32", "fp16"] = "fp32"
+    scale_dtype: Literal["fp32", "bf16"] = "fp32"
     error_feedback: bool = False
     pipeline_chunks: int = 1
     seed: int = 0

@@ -55,6 +55,8 @@ def test_wrong_type_names_path_and_value(d, path, shown):
         ({"optimizer": {"states": "fp4"}}, "sdpq.optimizer.states", "'fp8', 'bf16', 'fp32'"),
         ({"weights": {"mode": "direct"}}, "sdpq.weights.bits", "8 when mode is 'direct'"),
         ({"topology": {"ranks_per_node": 0}}, "sdpq.topology.ranks_per_node", "[1, inf]"),
+        ({"gradients": {"scale_dtype": "fp16"}}, "sdpq.gradients.scale_dtype", "'bf16' (the same 16 bits"),
+        ({"weights": {"scale_dtype": "fp16"}}, "sdpq.weights.scale_dtype", "decodes as zeros"),
     ],
 )
 def test_out_of_range_names_path_value_and_allowed(d, path, allowed):

@@ -19,7 +19,7 @@ __all__ = ["check_agreement", "WIRE_FORMAT"]
 
 # Bumped whenever the bytes on the wire change meaning (layout of codes and scales, rounding
 # streams): ranks running different sdpq releases with one format may still talk.
-WIRE_FORMAT = 1
+WIRE_FORMAT = 2
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from ..config import GradientsConfig, StatsConfig
 from ..quant import QuantSpec
+from ..quant.groupwise import SCALE_DTYPES
 from ..quant.fused import decode_rows, encode_rows, poison_scales_, reduce_rows
 from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
@@ -41,7 +42,6 @@ from .topology import Topology
 
 __all__ = ["GradReduceScatter"]
 
-_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _NAN = float("nan")
 
 
@@ -82,9 +82,9 @@ class GradReduceScatter:
         self.padded_chunk = -(-cn // step) * step if c.mode == "two_level" else cn
         self.slice_numel = self.padded_chunk // self.slices
         self.intra_spec = QuantSpec(bits=c.intra_bits, group_size=c.intra_group_size, rounding=c.rounding,
-                                    scale_dtype=_SCALE_DTYPES[c.scale_dtype])
+                                    scale_dtype=SCALE_DTYPES[c.scale_dtype])
         self.inter_spec = QuantSpec(bits=c.inter_bits, group_size=c.inter_group_size, rounding=c.rounding,
-                                    scale_dtype=_SCALE_DTYPES[c.scale_dtype])
+                                    scale_dtype=SCALE_DTYPES[c.scale_dtype])
         l, n = topo.local_rank, topo.node
         # Bucket elements that leave this rank on each link per call (padding excluded).
         self._intra_elems = sum(valid[m * L + k] for m in range(nodes) for k in range(L) if k != l)

@@ -26,6 +26,7 @@ import torch
 
 from ..config import StatsConfig, WeightsConfig
 from ..quant import QuantSpec
+from ..quant.groupwise import SCALE_DTYPES
 from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
 from . import timing
 from .agreement import WIRE_FORMAT, check_agreement
@@ -36,7 +37,6 @@ from .topology import Topology
 
 __all__ = ["WeightGather", "ReferenceMismatchWarning"]
 
-_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 class ReferenceMismatchWarning(RuntimeWarning):
@@ -79,7 +79,7 @@ class WeightGather:
         self._valid = [max(0, min(self.shard_numel, numel - r * self.shard_numel)) for r in range(N)]
         c = self.config
         self.spec = QuantSpec(bits=c.bits if c.mode == "diff" else 8, group_size=c.group_size,
-                              rounding=c.rounding, scale_dtype=_SCALE_DTYPES[c.scale_dtype])
+                              rounding=c.rounding, scale_dtype=SCALE_DTYPES[c.scale_dtype])
         check_agreement("WeightGather", {"wire_format": WIRE_FORMAT, "weights": dataclasses.asdict(c), "numel": numel,
                                          "dtype": str(dtype), "reference_dtype": str(reference_dtype),
                                          "layout": topology.layout}, topology.world_group)

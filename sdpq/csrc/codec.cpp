@@ -8,14 +8,15 @@
 // The arithmetic is that of the PyTorch reference (sdpq/quant/fused.py and the modules it
 // calls) operation for operation, in fp32 and in the same order, so nearest rounding is bitwise
 // equal to it (the build uses -ffp-contract=off: no fused multiply-adds the reference lacks):
-//   scale = fp32(absmax / qmax) [-> fp16 -> fp32], code = clamp(round_half_even(v / scale)),
-//   the butterflies pair (j, j + h) of every run of 2h as (a + b, a - b), h = 1, 2, 4, ...,
+//   scale = fp32(absmax / qmax) [-> rounded up to bf16], code = clamp(round_half_even(v / scale)),
+//   the butterflies pair (j, j + h) of every run of 2h as (a + b, a - b), h = 1, 2, 4, ...
+//   (forward: both halved first),
 //   the received rows are summed in row order.
 // Stochastic rounding uses floor(v / scale + u) with u from a counter-based hash of (seed,
 // element position): the draws differ from the reference's torch generator (both unbiased),
 // and they do not depend on how the work is split between threads.
 //
-// Wire rows (sdpq/quant/wire.py): [codes: groups * G * bits / 8 bytes | scales: fp32 or fp16,
+// Wire rows (sdpq/quant/wire.py): [codes: groups * G * bits / 8 bytes | scales: fp32 or bf16,
 // little endian]; 4-bit codes are two's-complement nibbles, element 2i in the low nibble.
 
 #include <ATen/ATen.h>
@@ -31,13 +32,13 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
     const at::Tensor& x, const std::optional<at::Tensor>& ref, int64_t segments, int64_t bits,
-    int64_t group_size, bool stochastic, bool scale_fp16, const std::optional<at::Tensor>& signs,
+    int64_t group_size, bool stochastic, bool scale_bf16, const std::optional<at::Tensor>& signs,
     int64_t own_row, int64_t seed) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "encode_rows: x must be 2-D with contiguous rows");
   const int64_t R = x.size(0), n = x.size(1);
   TORCH_CHECK(segments >= 1 && R % segments == 0, "encode_rows: ", R, " rows do not split into ", segments,
               " segments");
-  const Spec spec(bits, group_size, stochastic, scale_fp16);
+  const Spec spec(bits, group_size, stochastic, scale_bf16);
   TORCH_CHECK(segments == 1 || n % spec.G == 0,
               "encode_rows: segmented rows need n (", n, ") to be a multiple of the group size ", spec.G);
   const Hadamard had(signs);
@@ -116,9 +117,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
 
 // ---------------------------------------------------------------------------- decode_rows
 
-void decode_rows(const at::Tensor& buf, int64_t numel, int64_t bits, int64_t group_size, bool scale_fp16,
+void decode_rows(const at::Tensor& buf, int64_t numel, int64_t bits, int64_t group_size, bool scale_bf16,
                  const at::Tensor& out, bool add) {
-  const Spec spec(bits, group_size, false, scale_fp16);
+  const Spec spec(bits, group_size, false, scale_bf16);
   TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.stride(1) == 1 &&
                   buf.size(1) == spec.wire_bytes(numel),
               "decode_rows: expected uint8 rows of ", spec.wire_bytes(numel), " bytes for numel=", numel);
@@ -154,11 +155,11 @@ void decode_rows(const at::Tensor& buf, int64_t numel, int64_t bits, int64_t gro
 // ---------------------------------------------------------------------------- reduce_rows
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
-    const at::Tensor& buf, int64_t numel, int64_t bits, int64_t group_size, bool scale_fp16, const at::Tensor& own,
+    const at::Tensor& buf, int64_t numel, int64_t bits, int64_t group_size, bool scale_bf16, const at::Tensor& own,
     int64_t own_row, const at::Tensor& bad, const std::optional<at::Tensor>& signs, int64_t enc_bits,
-    int64_t enc_group_size, bool enc_stochastic, bool enc_scale_fp16, int64_t enc_numel, int64_t own_seg,
+    int64_t enc_group_size, bool enc_stochastic, bool enc_scale_bf16, int64_t enc_numel, int64_t own_seg,
     int64_t seed) {
-  const Spec spec(bits, group_size, false, scale_fp16);
+  const Spec spec(bits, group_size, false, scale_bf16);
   TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.stride(1) == 1 &&
                   buf.size(1) == spec.wire_bytes(numel),
               "reduce_rows: expected uint8 rows of ", spec.wire_bytes(numel), " bytes for numel=", numel);
@@ -167,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
   const bool encode = enc_bits != 0;
   const Hadamard had(encode ? std::nullopt : signs);
   TORCH_CHECK(had.B == 1 || numel % had.B == 0, "reduce_rows: ", numel, " is not a multiple of the Hadamard block");
-  const Spec enc(encode ? enc_bits : 8, encode ? enc_group_size : 2, enc_stochastic, enc_scale_fp16);
+  const Spec enc(encode ? enc_bits : 8, encode ? enc_group_size : 2, enc_stochastic, enc_scale_bf16);
   const int64_t rowlen = encode ? enc_numel : numel;
   TORCH_CHECK(rowlen > 0 && numel % rowlen == 0, "reduce_rows: rows of ", rowlen, " must tile ", numel);
   const int64_t erows = numel / rowlen;

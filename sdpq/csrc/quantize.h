@@ -13,10 +13,10 @@ namespace sdpq {
 
 struct Spec {
   int64_t bits, G, qmax, scale_size;
-  bool stochastic, fp16;
-  Spec(int64_t bits_, int64_t G_, bool stochastic_, bool fp16_)
-      : bits(bits_), G(G_), qmax((int64_t{1} << (bits_ - 1)) - 1), scale_size(fp16_ ? 2 : 4),
-        stochastic(stochastic_), fp16(fp16_) {
+  bool stochastic, bf16;  // bf16: scales travel as bf16 (rounded up), else fp32
+  Spec(int64_t bits_, int64_t G_, bool stochastic_, bool bf16_)
+      : bits(bits_), G(G_), qmax((int64_t{1} << (bits_ - 1)) - 1), scale_size(bf16_ ? 2 : 4),
+        stochastic(stochastic_), bf16(bf16_) {
     TORCH_CHECK(bits == 4 || bits == 8, "codec: bits=", bits, "; allowed: 4, 8");
     TORCH_CHECK(G >= 2 && G % 2 == 0, "codec: group_size=", G, "; allowed: an even integer >= 2");
   }
@@ -53,7 +53,9 @@ SDPQ_INLINE f8 uniform01(uint32_t seed, uint64_t pos, u8 lane) {
   return __builtin_convertvector((i8)(h >> 8), f8) * (1.0f / 16777216.0f);
 }
 
-inline float round_scale(float s, bool fp16) { return fp16 ? static_cast<float>(at::Half(s)) : s; }
+// The smallest bf16 value >= s (s >= 0; NaN is handled by the caller), as fp32: bf16 is the top
+// half of an fp32, and adding 0xFFFF carries into it unless the low half is already zero.
+inline float round_scale(float s, bool bf16) { return bf16 ? float_of((bits_of(s) + 0xFFFFu) & 0xFFFF0000u) : s; }
 
 // Round to nearest even for |y| < 2^22 (the codes' range): adding and subtracting 1.5 * 2^23
 // leaves no fraction bits, and round-to-nearest-even is the FPU's rounding.
@@ -117,14 +119,14 @@ struct GroupScale {
   float s, safe;
   bool finite;
   SDPQ_INLINE GroupScale(float amax, bool nan, const Spec& sp) {
-    s = round_scale(amax / static_cast<float>(sp.qmax), sp.fp16);
+    s = round_scale(amax / static_cast<float>(sp.qmax), sp.bf16);
     if (nan) s = std::numeric_limits<float>::quiet_NaN();  // the wire's one NaN pattern (as wire.py)
     finite = std::isfinite(s);
     safe = (finite && s > 0.0f) ? s : 1.0f;
   }
   void write(const Spec& sp, uint8_t* dst) const {
-    if (sp.fp16) {
-      const at::Half h(s);
+    if (sp.bf16) {
+      const uint16_t h = static_cast<uint16_t>(bits_of(s) >> 16);  // exact: s is a bf16 value
       std::memcpy(dst, &h, 2);
     } else {
       std::memcpy(dst, &s, 4);
@@ -213,10 +215,10 @@ SDPQ_INLINE f8 decode_vector(const uint8_t* codes, int64_t bits, f8 scale) {
 // such a group decodes to code * NaN = NaN.
 SDPQ_INLINE float read_scale(const uint8_t* row, int64_t cb, const Spec& sp, int64_t gi) {
   float s;
-  if (sp.fp16) {
-    at::Half h;
+  if (sp.bf16) {
+    uint16_t h;
     std::memcpy(&h, row + cb + gi * 2, 2);
-    s = static_cast<float>(h);
+    s = bf16_to_float(h);
   } else {
     std::memcpy(&s, row + cb + gi * 4, 4);
   }

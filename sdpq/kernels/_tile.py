@@ -39,12 +39,12 @@ def to_bf16_rne(v):
 
 
 @triton.jit
-def group_scales(v, QMAX: tl.constexpr, SCALE_FP16: tl.constexpr):
+def group_scales(v, QMAX: tl.constexpr, SCALE_BF16: tl.constexpr):
     """v: fp32 [M, G] -> (scale fp32 [M] rounded to the wire dtype, finite mask [M])."""
     amax = tl.max(tl.abs(v), axis=1)
     s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-    if SCALE_FP16:
-        s = s.to(tl.float16).to(tl.float32)
+    if SCALE_BF16:  # rounded up to bf16 (as sdpq.quant.groupwise): top half of the bits, carried
+        s = ((s.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
     # Note: tl.max does not propagate NaN (torch.amax does): a NaN group must get a NaN scale.
     s = tl.where(tl.max((v != v).to(tl.int32), axis=1) > 0, float("nan"), s)
     finite = tl.abs(s) < float("inf")  # False for inf and NaN
@@ -96,10 +96,10 @@ def load_codes(row_ptr, groups, G: tl.constexpr, BITS: tl.constexpr, mask):
 
 
 @triton.jit
-def store_scales(ptr, s, groups, SCALE_FP16: tl.constexpr, mask):
+def store_scales(ptr, s, groups, SCALE_BF16: tl.constexpr, mask):
     """fp32 scales [M] -> little-endian bytes of the wire dtype at ptr + group * itemsize."""
-    if SCALE_FP16:
-        bits = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    if SCALE_BF16:
+        bits = (s.to(tl.int32, bitcast=True) >> 16) & 0xFFFF  # exact: s is already a bf16 value
         for k in tl.static_range(2):
             tl.store(ptr + groups * 2 + k, ((bits >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
     else:
@@ -109,13 +109,13 @@ def store_scales(ptr, s, groups, SCALE_FP16: tl.constexpr, mask):
 
 
 @triton.jit
-def load_scales(ptr, groups, SCALE_FP16: tl.constexpr, mask):
+def load_scales(ptr, groups, SCALE_BF16: tl.constexpr, mask):
     """Bytes of the wire dtype -> fp32 scales [M]."""
-    if SCALE_FP16:
+    if SCALE_BF16:
         bits = tl.zeros(groups.shape, tl.int32)
         for k in tl.static_range(2):
             bits |= tl.load(ptr + groups * 2 + k, mask=mask, other=0).to(tl.int32) << (8 * k)
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return (bits << 16).to(tl.float32, bitcast=True)
     bits = tl.zeros(groups.shape, tl.int32)
     for k in tl.static_range(4):
         bits |= tl.load(ptr + groups * 4 + k, mask=mask, other=0).to(tl.int32) << (8 * k)
@@ -130,12 +130,15 @@ def dequantize_tile(codes, s):
 
 
 @triton.jit
-def fwht(x, B: tl.constexpr, LOG2B: tl.constexpr):
-    """Unnormalized Walsh-Hadamard transform of each row of x [M, B] (same butterflies as
-    ``sdpq.quant.hadamard._fwht``: pairs (j, j + h) of every run of 2h become (a + b, a - b))."""
+def fwht(x, B: tl.constexpr, LOG2B: tl.constexpr, HALVE: tl.constexpr):
+    """Walsh-Hadamard transform of each row of x [M, B], times 1/B if HALVE (same butterflies
+    as ``sdpq.quant.hadamard._fwht``: pairs (j, j + h) of every run of 2h become (a + b, a - b),
+    halved before each stage so no intermediate overflows)."""
     M: tl.constexpr = x.shape[0]
     for i in tl.static_range(LOG2B):
         h: tl.constexpr = 1 << i
+        if HALVE:  # before the add (as the reference): a + b may overflow, a / 2 + b / 2 cannot
+            x = x * 0.5
         v = tl.permute(tl.reshape(x, [M, B // (2 * h), 2, h]), [0, 1, 3, 2])
         a, b = tl.split(v)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [M, B])

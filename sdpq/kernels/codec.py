@@ -34,9 +34,9 @@ __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
 
 @triton.jit
 def _encode_kernel(x_ptr, x_stride, ref_ptr, ref_stride, out_ptr, out_stride, own_ptr, signs_ptr, flag_ptr,
-                   n, tiles_per_row, P, own_row, code_bytes, seed, inv_sqrt,
+                   n, tiles_per_row, P, own_row, code_bytes, seed,
                    TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr, HAS_REF: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, SCALE_BF16: tl.constexpr, HAS_REF: tl.constexpr,
                    HB: tl.constexpr, LOG2HB: tl.constexpr, WRITE_OWN: tl.constexpr):
     r = tl.program_id(1)
     t = tl.program_id(0)
@@ -45,9 +45,9 @@ def _encode_kernel(x_ptr, x_stride, ref_ptr, ref_stride, out_ptr, out_stride, ow
     v = tl.load(x_ptr + r * x_stride + col, mask=m, other=0.0).to(tl.float32)
     if HAS_REF:
         v = v - tl.load(ref_ptr + r * ref_stride + col, mask=m, other=0.0).to(tl.float32)
-    if HB > 1:  # H D v per block of HB, scaled by 1/sqrt(HB) after the butterflies (as the reference)
+    if HB > 1:  # H D v / HB per block of HB (as the reference)
         v = v * tl.load(signs_ptr + (col % HB))
-        v = tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB), [TILE]) * inv_sqrt
+        v = tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB, True), [TILE])
     seg = r // P
     if WRITE_OWN:
         if r % P == own_row:
@@ -56,19 +56,19 @@ def _encode_kernel(x_ptr, x_stride, ref_ptr, ref_stride, out_ptr, out_stride, ow
     vg = tl.reshape(v, [NG, G])
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
-    s, finite = group_scales(vg, QMAX, SCALE_FP16)
+    s, finite = group_scales(vg, QMAX, SCALE_BF16)
     offs = (r * tiles_per_row + t) * TILE + tl.reshape(tl.arange(0, TILE), [NG, G])
     codes = quantize_tile(vg, s, finite, offs, seed, QMAX, STOCHASTIC)
     og = seg * tl.cdiv(n, G) + groups  # group index inside the (segmented) output row
     row_ptr = out_ptr + (r % P) * out_stride
     store_codes(row_ptr, codes, og, G, BITS, gmask)
-    store_scales(row_ptr + code_bytes, s, og, SCALE_FP16, gmask)
+    store_scales(row_ptr + code_bytes, s, og, SCALE_BF16, gmask)
     tl.atomic_add(flag_ptr, tl.sum((gmask & ~finite).to(tl.int32)))
 
 
 @triton.jit
 def _decode_kernel(buf_ptr, buf_stride, out_ptr, out_stride, n, code_bytes,
-                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_FP16: tl.constexpr,
+                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr,
                    ADD: tl.constexpr):
     r = tl.program_id(1)
     t = tl.program_id(0)
@@ -77,7 +77,7 @@ def _decode_kernel(buf_ptr, buf_stride, out_ptr, out_stride, n, code_bytes,
     gmask = groups * G < n
     row_ptr = buf_ptr + r * buf_stride
     vals = dequantize_tile(load_codes(row_ptr, groups, G, BITS, gmask),
-                           load_scales(row_ptr + code_bytes, groups, SCALE_FP16, gmask))
+                           load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask))
     col = t * TILE + tl.arange(0, TILE)
     m = col < n
     v = tl.reshape(vals, [TILE])
@@ -92,12 +92,12 @@ def _decode_kernel(buf_ptr, buf_stride, out_ptr, out_stride, n, code_bytes,
 
 @triton.jit
 def _reduce_kernel(buf_ptr, buf_stride, rows, own_ptr, own_row, bad_ptr, n, code_bytes,
-                   out_ptr, signs_ptr, inv_sqrt,
+                   out_ptr, signs_ptr,
                    enc_ptr, enc_stride, enc_n, enc_code_bytes, own_out_ptr, own_seg, flag_ptr, seed,
-                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_FP16: tl.constexpr,
+                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr,
                    HB: tl.constexpr, LOG2HB: tl.constexpr,
                    ENCODE: tl.constexpr, G2: tl.constexpr, BITS2: tl.constexpr, QMAX2: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, SCALE2_FP16: tl.constexpr):
+                   STOCHASTIC: tl.constexpr, SCALE2_BF16: tl.constexpr):
     t = tl.program_id(0)
     NG: tl.constexpr = TILE // G
     groups = t * NG + tl.arange(0, NG)
@@ -111,7 +111,7 @@ def _reduce_kernel(buf_ptr, buf_stride, rows, own_ptr, own_row, bad_ptr, n, code
         else:
             row_ptr = buf_ptr + k * buf_stride
             part = tl.reshape(dequantize_tile(load_codes(row_ptr, groups, G, BITS, gmask),
-                                              load_scales(row_ptr + code_bytes, groups, SCALE_FP16, gmask)), [TILE])
+                                              load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask)), [TILE])
         acc += part
     acc = acc + tl.load(bad_ptr)  # 0.0, or NaN when the sender side saw a non-finite group
     if ENCODE:  # re-quantize: output row = col // enc_n (each enc_n a multiple of TILE)
@@ -123,15 +123,15 @@ def _reduce_kernel(buf_ptr, buf_stride, rows, own_ptr, own_row, bad_ptr, n, code
         vg = tl.reshape(acc, [NG2, G2])
         groups2 = (t * TILE - e_row * enc_n) // G2 + tl.arange(0, NG2)
         g2mask = groups2 * G2 < enc_n
-        s, finite = group_scales(vg, QMAX2, SCALE2_FP16)
+        s, finite = group_scales(vg, QMAX2, SCALE2_BF16)
         codes = quantize_tile(vg, s, finite, tl.reshape(col, [NG2, G2]), seed, QMAX2, STOCHASTIC)
         row_ptr = enc_ptr + e_row * enc_stride
         store_codes(row_ptr, codes, groups2, G2, BITS2, g2mask)
-        store_scales(row_ptr + enc_code_bytes, s, groups2, SCALE2_FP16, g2mask)
+        store_scales(row_ptr + enc_code_bytes, s, groups2, SCALE2_BF16, g2mask)
         tl.atomic_add(flag_ptr, tl.sum((g2mask & ~finite).to(tl.int32)))
     else:
-        if HB > 1:  # D H y / sqrt(HB): butterflies, scale, then the signs (as the reference)
-            acc = tl.reshape(fwht(tl.reshape(acc, [TILE // HB, HB]), HB, LOG2HB), [TILE]) * inv_sqrt
+        if HB > 1:  # D H y: butterflies, then the signs (as the reference)
+            acc = tl.reshape(fwht(tl.reshape(acc, [TILE // HB, HB]), HB, LOG2HB, False), [TILE])
             acc = acc * tl.load(signs_ptr + (col % HB))
         tl.store(out_ptr + col, acc, mask=m)
 
@@ -143,7 +143,7 @@ def _tile(n: int, *sizes: int, target: int = 2048) -> int:
 
 
 def _spec_args(spec) -> dict:
-    return dict(G=spec.group_size, BITS=spec.bits, SCALE_FP16=spec.scale_dtype == torch.float16)
+    return dict(G=spec.group_size, BITS=spec.bits, SCALE_BF16=spec.scale_dtype == torch.bfloat16)
 
 
 def encode_rows(x: torch.Tensor, spec, *, ref: torch.Tensor | None = None, segments: int = 1,
@@ -166,7 +166,7 @@ def encode_rows(x: torch.Tensor, spec, *, ref: torch.Tensor | None = None, segme
     grid = (triton.cdiv(n, tile), R)
     _encode_kernel[grid](
         x, x.stride(0), ref_t, ref_t.stride(0), out, out.stride(0), own if own is not None else flag, signs, flag,
-        n, grid[0], P, -1 if own_row is None else own_row, spec.code_bytes(row_numel), seed, 1.0 / math.sqrt(hb),
+        n, grid[0], P, -1 if own_row is None else own_row, spec.code_bytes(row_numel), seed,
         TILE=tile, QMAX=spec.qmax, STOCHASTIC=spec.rounding == "stochastic", HAS_REF=ref is not None,
         HB=hb, LOG2HB=int(math.log2(hb)), WRITE_OWN=own is not None, **_spec_args(spec))
     return out, own, flag
@@ -200,17 +200,17 @@ def reduce_rows(buf: torch.Tensor, spec, numel: int, own: torch.Tensor, own_row:
     if encode_spec is None:
         out = torch.empty(numel, dtype=torch.float32, device=buf.device)
         enc = own_out = out  # placeholders: the kernel's ENCODE branch (which writes them) is compiled out
-        e_args = dict(G2=spec.group_size, BITS2=spec.bits, QMAX2=spec.qmax, SCALE2_FP16=False)
+        e_args = dict(G2=spec.group_size, BITS2=spec.bits, QMAX2=spec.qmax, SCALE2_BF16=False)
     else:
         out = own  # placeholder: only the non-ENCODE branch writes out_ptr
         enc = torch.empty((numel // encode_rows_n, encode_spec.wire_bytes(encode_rows_n)), dtype=torch.uint8,
                           device=buf.device)
         own_out = torch.empty(encode_rows_n, dtype=torch.float32, device=buf.device)
         e_args = dict(G2=encode_spec.group_size, BITS2=encode_spec.bits, QMAX2=encode_spec.qmax,
-                      SCALE2_FP16=encode_spec.scale_dtype == torch.float16)
+                      SCALE2_BF16=encode_spec.scale_dtype == torch.bfloat16)
     stochastic = (encode_spec or spec).rounding == "stochastic"
     _reduce_kernel[(triton.cdiv(numel, tile),)](
-        buf, buf.stride(0), R, own, own_row, bad, numel, spec.code_bytes(numel), out, signs, 1.0 / math.sqrt(hb),
+        buf, buf.stride(0), R, own, own_row, bad, numel, spec.code_bytes(numel), out, signs,
         enc, enc.stride(0) if encode_spec else 0, encode_rows_n or numel,
         encode_spec.code_bytes(encode_rows_n) if encode_spec else 0, own_out, own_seg, flag, seed,
         TILE=tile, HB=hb if encode_spec is None else 1, LOG2HB=int(math.log2(hb)) if encode_spec is None else 0,

@@ -71,7 +71,7 @@ def _use_op(t: torch.Tensor) -> bool:
 
 
 def _spec_args(spec: QuantSpec) -> tuple[int, int, bool, bool]:
-    return spec.bits, spec.group_size, spec.rounding == "stochastic", spec.scale_dtype == torch.float16
+    return spec.bits, spec.group_size, spec.rounding == "stochastic", spec.scale_dtype == torch.bfloat16
 
 
 def _seed(generator: torch.Generator | None) -> int:
@@ -132,7 +132,7 @@ def _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator):
 def decode_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
     """wire [R, wire_bytes(numel)] -> out [R, numel] (its dtype); ``out += values`` (fp32 math) if add."""
     if _use_op(buf) and out.dim() == 2 and out.stride(1) == 1:
-        torch.ops.sdpq.decode_rows(buf, numel, spec.bits, spec.group_size, spec.scale_dtype == torch.float16, out, add)
+        torch.ops.sdpq.decode_rows(buf, numel, spec.bits, spec.group_size, spec.scale_dtype == torch.bfloat16, out, add)
         return out
     if uses_kernels(buf):
         from ..kernels import codec
@@ -159,7 +159,7 @@ def reduce_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, own: torch.Tenso
         signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], buf.device)
         enc = _spec_args(encode_spec) if encode_spec is not None else (0, 2, spec.rounding == "stochastic", False)
         out, own_out, flag = torch.ops.sdpq.reduce_rows(buf, numel, spec.bits, spec.group_size,
-                                                        spec.scale_dtype == torch.float16, own.reshape(-1), own_row,
+                                                        spec.scale_dtype == torch.bfloat16, own.reshape(-1), own_row,
                                                         bad, signs_t, enc[0], enc[1], enc[2], enc[3], encode_numel,
                                                         own_seg, _seed(generator))
         return out if encode_spec is None else (out, own_out, flag)

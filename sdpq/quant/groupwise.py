@@ -9,6 +9,12 @@ The last dimension is quantized; leading dimensions are independent rows (a coll
 one row per destination rank). Any length works: rows are zero-padded to whole groups inside,
 and ``dequantize`` returns exactly ``numel`` values per row.
 
+Scales go on the wire as fp32 or bf16 (``SCALE_DTYPES``). Both cover the whole fp32 range, so no
+finite group's scale overflows or flushes to zero: a bf16 scale is s rounded *up* to 8 significant
+bits, which keeps |x / s| <= qmax (no clipping, so the bounds above hold for every element) at a
+cost of at most 2^-8 of resolution. fp16 scales are not offered: a 4-bit group with absmax below
+about 4e-7 would decode as zeros and one above 4.6e5 as NaN, and gradients span both.
+
 Note: a non-finite input (inf/nan) makes its group's scale non-finite; the codes of that group
 are zeroed and the group decodes to NaN. A gradient overflow therefore survives quantization as
 a non-finite value instead of being encoded as finite garbage.
@@ -20,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QuantSpec", "Quantized", "quantize", "dequantize", "nonfinite_groups"]
+__all__ = ["QuantSpec", "Quantized", "quantize", "dequantize", "nonfinite_groups", "SCALE_DTYPES"]
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_SCALE_DTYPES = (torch.float32, torch.float16)
+# The wire scale formats by their configuration names.
+SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,8 @@ class QuantSpec:
             raise ValueError(f"QuantSpec.group_size: {self.group_size!r}; allowed: an even integer >= 2")
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"QuantSpec.rounding: {self.rounding!r}; allowed: 'nearest', 'stochastic'")
-        if self.scale_dtype not in _SCALE_DTYPES:
-            raise ValueError(f"QuantSpec.scale_dtype: {self.scale_dtype}; allowed: torch.float32, torch.float16")
+        if self.scale_dtype not in SCALE_DTYPES.values():
+            raise ValueError(f"QuantSpec.scale_dtype: {self.scale_dtype}; allowed: torch.float32, torch.bfloat16")
 
     @property
     def qmax(self) -> int:
@@ -87,6 +94,15 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"quantize: need a non-empty last dimension, got shape {tuple(x.shape)}")
 
 
+def _wire_scales(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scales (>= 0 or NaN) -> the nearest value of the wire dtype that is >= s, as fp32."""
+    if dtype == torch.float32:
+        return s
+    # bf16 is the top half of an fp32: adding 0xFFFF carries into it unless the low half is zero.
+    up = (s.view(torch.int32) + 0xFFFF).bitwise_and_(-65536).view(torch.float32)
+    return torch.where(s.isnan(), s, up)  # a NaN with a full payload would carry into the sign
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None) -> Quantized:
     """Quantize the last dimension of ``x`` in groups of ``spec.group_size`` (fp32 math)."""
     _check_input(x)
@@ -94,7 +110,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
     g, G = spec.groups(n), spec.group_size
     xp = torch.nn.functional.pad(x.float(), (0, g * G - n)).view(*lead, g, G)
     # Round the scale to its wire dtype *before* dividing, so encoder and decoder agree.
-    scales = (xp.abs().amax(dim=-1) / spec.qmax).to(spec.scale_dtype).float()
+    scales = _wire_scales(xp.abs().amax(dim=-1) / spec.qmax, spec.scale_dtype)
     finite = torch.isfinite(scales)
     # Zero or non-finite scales divide by 1; their codes are forced to 0 below.
     safe = torch.where(finite & (scales > 0), scales, torch.ones_like(scales)).unsqueeze(-1)

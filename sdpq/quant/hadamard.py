@@ -1,9 +1,16 @@
-"""Randomized blockwise Walsh-Hadamard transform: y = H_B D x per block of B values.
+"""Randomized blockwise Walsh-Hadamard transform: y = H_B D x / B per block of B values.
 
-H_B is the orthonormal Walsh-Hadamard matrix of a power-of-two size B, D a diagonal of random
-+-1 signs drawn from ``seed`` (every rank must pass the same seed). The transform is orthonormal
-and linear, so partial sums can be added in the transformed domain and inverted once at the end;
-it spreads an outlier over its block so absmax groups of 4-bit codes lose less. SDP4Bit uses a
+H_B is the +-1 Walsh-Hadamard matrix of a power-of-two size B (H_B H_B = B I), D a diagonal of
+random +-1 signs drawn from ``seed`` (every rank must pass the same seed). The transform is
+linear, so partial sums can be added in the transformed domain and inverted once at the end
+(x = D H_B y); it spreads an outlier over its block so absmax groups of 4-bit codes lose less.
+
+Note: the forward transform halves the values before every butterfly stage, so no intermediate value exceeds
+max|x| and no finite input overflows (the sums of an unnormalized butterfly reach B max|x|, and
+an orthonormal output can still reach sqrt(B) max|x|). Halving is exact in binary floating point
+(short of subnormals), so the result is the unnormalized transform times 1/B, rounded once per
+add. The inverse needs no scaling, and its stages stay within max|x| for y = H_B D x / B: after
+s stages they hold 2^s H_(other stages) x / B, whose entries are at most 2^s 2^(k-s) max|x| / B. SDP4Bit uses a
 fixed, un-randomized 32x32 matrix; the random signs here make the spreading independent of how
 the outliers line up with the Hadamard rows.
 
@@ -13,7 +20,6 @@ Cost: log2(B) butterfly passes over the data, O(n log B), never a dense B x B ma
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -48,12 +54,14 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _fwht(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalized fast Walsh-Hadamard transform of the last dim (a power of two)."""
+def _fwht(x: torch.Tensor, halve: bool) -> torch.Tensor:
+    """Fast Walsh-Hadamard transform of the last dim (a power of two), times 1/B if `halve`."""
     *lead, B = x.shape
     h = 1
     while h < B:
         # Pairs (j, j + h) inside each run of 2h values become (a + b, a - b).
+        if halve:  # before the add: a + b may overflow, a / 2 + b / 2 cannot
+            x = x * 0.5
         v = x.view(*lead, B // (2 * h), 2, h)
         a, b = v[..., 0, :], v[..., 1, :]
         x = torch.stack((a + b, a - b), dim=-2).view(*lead, B)
@@ -62,14 +70,14 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
 
 
 def hadamard(x: torch.Tensor, block: int, seed: int) -> torch.Tensor:
-    """fp32 ``H_B D x`` over the last dim (a multiple of ``block``), same shape as ``x``."""
+    """fp32 ``H_B D x / B`` over the last dim (a multiple of ``block``), same shape as ``x``."""
     xb = _blocks(x, block)
-    y = _fwht(xb * signs(block, seed, x.device)) * (1.0 / math.sqrt(block))
+    y = _fwht(xb * signs(block, seed, x.device), halve=True)
     return y.view(x.shape)
 
 
 def inverse_hadamard(y: torch.Tensor, block: int, seed: int) -> torch.Tensor:
-    """fp32 ``D H_B y`` (H_B is symmetric and orthonormal, so it is its own inverse)."""
+    """fp32 ``D H_B y``: the inverse of `hadamard` (H_B H_B = B I)."""
     yb = _blocks(y, block)
-    x = _fwht(yb) * (1.0 / math.sqrt(block)) * signs(block, seed, y.device)
+    x = _fwht(yb, halve=False) * signs(block, seed, y.device)
     return x.view(y.shape)

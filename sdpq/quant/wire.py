@@ -27,8 +27,13 @@ def pack(q: Quantized, spec: QuantSpec) -> torch.Tensor:
         codes = pairs[..., 0] | (pairs[..., 1] << 4)
     # One NaN bit pattern on the wire, whatever NaN the input held (the kernels write the same).
     scales = torch.where(q.scales.isnan(), float("nan"), q.scales)
-    scales = scales.to(spec.scale_dtype).contiguous().view(torch.uint8)
-    return torch.cat((codes, scales), dim=-1)
+    if spec.scale_dtype == torch.bfloat16:
+        # Scales are bf16 values already: keep the top half of the bits (torch's own conversion
+        # may turn that NaN into another bit pattern).
+        raw = (scales.view(torch.int32) >> 16).to(torch.int16)
+    else:
+        raw = scales.to(spec.scale_dtype)
+    return torch.cat((codes, raw.contiguous().view(torch.uint8)), dim=-1)
 
 
 def unpack(buf: torch.Tensor, spec: QuantSpec, numel: int) -> Quantized:

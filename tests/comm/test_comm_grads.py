@@ -160,6 +160,43 @@ def test_nonfinite_reaches_every_rank(dist, nodes, rpn, value):
             assert finite[1]  # and the next call recovers (no NaN kept in the residual)
 
 
+@pytest.mark.parametrize("scale_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["tiny", "huge"])
+def test_every_scale_format_keeps_tiny_and_huge_gradients(dist, scale_dtype, kind):
+    """N(0, 1e-7) and N(0, 1e6) gradients on 2x2: within the bound and as accurate as N(0, 1)
+    (fp16 scales, no longer offered, returned 1e-7 gradients with relative error 0.72)."""
+    res = dist.run(_rs_case, 4, 2, 16384, {"scale_dtype": scale_dtype, "rounding": "nearest"}, kind, 4)
+    for r in res:
+        assert r["ratio"] <= 1.0 and r["rel"] < 0.1, (r["ratio"], r["rel"])
+    bits = res[0]["stats"]["gradients"]["inter"]["bits_per_element"]
+    print(f"{kind} {scale_dtype}: rel err max {max(r['rel'] for r in res):.4f}, inter bits/element {bits:.4f}")
+    assert bits == pytest.approx(4 + (16 if scale_dtype == "bf16" else 32) / 128, abs=0.01), bits
+
+
+def _huge_values(ctx, numel, cfg_kwargs):
+    """Rank 0 holds finite values near the fp32 max (others ordinary ones); the sum is finite."""
+    topo = Topology.build(ctx.ranks_per_node)
+    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), recorder=CommStats())
+    inputs = all_inputs(ctx.world_size, numel, "normal", 5)
+    big = inputs[0]
+    big[:4096] = 3e37  # 4096 equal values: an unnormalized butterfly's sums reach 128 * 3e37
+    big[4096:8192:128] = 3.4e38  # one value per Hadamard block at the top of the range
+    big[8192:12288] = torch.linspace(-1e38, 1e38, 4096)
+    out = rs(inputs[ctx.rank].clone())
+    exact = exact_chunk(inputs, ctx.rank)
+    bound, kind = rs_error_bound(inputs, ctx.rank, ctx.ranks_per_node, rs)
+    return bool(torch.isfinite(out).all()), check_bound(out, exact, bound, kind, rs.hadamard_block)
+
+
+@pytest.mark.parametrize("nodes,rpn", [(2, 2), (1, 4), (4, 1)], ids=["2x2", "1x4", "4x1"])
+def test_values_up_to_the_fp32_max_reduce_to_the_finite_sum(dist, nodes, rpn):
+    """With Hadamard on (the default), finite inputs up to 3.4e38 whose sum is finite come back
+    finite and within the quantizer's bound on every rank (no overflow inside the transform)."""
+    for cfg in ({}, {"rounding": "nearest", "pipeline_chunks": 2}):
+        for finite, ratio in dist.run(_huge_values, nodes * rpn, rpn, 16384, cfg):
+            assert finite and ratio <= 1.0, (cfg, finite, ratio)
+
+
 def test_hadamard_block_larger_than_the_chunk_is_clamped(dist):
     """hadamard_block 65536 on 1024-element chunks: the block shrinks to the chunk (no 64x padding
     on the wire), the sum stays within the quantizer's bound, and every rank uses the same block."""

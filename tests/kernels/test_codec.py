@@ -29,8 +29,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.float().nan_to_num(123.0), b.float().nan_to_num(123.0))
 
 
-SPECS = [QuantSpec(4, 32), QuantSpec(8, 32), QuantSpec(4, 128, scale_dtype=torch.float16),
-         QuantSpec(8, 128, scale_dtype=torch.float16), QuantSpec(4, 2048)]
+SPECS = [QuantSpec(4, 32), QuantSpec(8, 32), QuantSpec(4, 128, scale_dtype=torch.bfloat16),
+         QuantSpec(8, 128, scale_dtype=torch.bfloat16), QuantSpec(4, 2048)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -126,7 +126,7 @@ def test_reduce_inverse_hadamard_bitwise(R, block):
 @pytest.mark.parametrize("R,nodes", [(2, 2), (4, 2), (2, 4)])
 def test_reduce_then_encode_bitwise(R, nodes):
     spec_in = QuantSpec(8, 128)
-    spec_out = QuantSpec(4, 128, scale_dtype=torch.float16)
+    spec_out = QuantSpec(4, 128, scale_dtype=torch.bfloat16)
     S = 512
     buf = _wire_rows(R, nodes * S, spec_in, 7)
     own = torch.randn(nodes * S, device=DEV)

@@ -34,7 +34,7 @@ OPS = torch.ops.sdpq
 
 
 def _args(spec: QuantSpec) -> tuple:
-    return spec.bits, spec.group_size, spec.rounding == "stochastic", spec.scale_dtype == torch.float16
+    return spec.bits, spec.group_size, spec.rounding == "stochastic", spec.scale_dtype == torch.bfloat16
 
 
 def _signs(h):
@@ -53,8 +53,8 @@ def _data(rows: int, n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     return x.to(dtype)
 
 
-SPECS = [QuantSpec(4, 2048), QuantSpec(8, 128), QuantSpec(4, 128, scale_dtype=torch.float16),
-         QuantSpec(8, 64, scale_dtype=torch.float16), QuantSpec(8, 16), QuantSpec(4, 6)]
+SPECS = [QuantSpec(4, 2048), QuantSpec(8, 128), QuantSpec(4, 128, scale_dtype=torch.bfloat16),
+         QuantSpec(8, 64, scale_dtype=torch.bfloat16), QuantSpec(8, 16), QuantSpec(4, 6)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -86,7 +86,7 @@ def test_decode_bitwise(spec, out_dtype, add):
     wire = _encode_rows_ref(x, spec, None, 1, None, None, None)[0]
     base = _data(3, n, seed=8, dtype=out_dtype)
     got, want = base.clone(), base.clone()
-    OPS.decode_rows(wire, n, spec.bits, spec.group_size, spec.scale_dtype == torch.float16, got, add)
+    OPS.decode_rows(wire, n, spec.bits, spec.group_size, spec.scale_dtype == torch.bfloat16, got, add)
     _decode_rows_ref(wire, spec, n, want, add)
     assert _same(got, want)
 

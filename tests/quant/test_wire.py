@@ -14,7 +14,7 @@ from sdpq.quant import QuantSpec, Quantized, decode, dequantize, encode, pack, q
     rows=st.integers(1, 4),
     bits=st.sampled_from([4, 8]),
     group=st.sampled_from([2, 32, 128]),
-    scale_dtype=st.sampled_from([torch.float32, torch.float16]),
+    scale_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**31),
 )
 def test_pack_unpack_exact_for_every_code(n, rows, bits, group, scale_dtype, seed):
