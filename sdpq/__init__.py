@@ -7,9 +7,9 @@ integrations ``sdpq.fsdp`` / ``sdpq.deepspeed`` (imported lazily: each pulls in 
 
 import importlib
 
+from ._version import __version__
 from .config import Config, ConfigError
 
-__version__ = "0.1.0"
 __all__ = ["Config", "ConfigError", "stats", "quant", "comm", "optim", "fsdp", "deepspeed", "__version__"]
 
 _LAZY = {

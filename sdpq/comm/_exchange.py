@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_rows", "all_to_all_rows", "group_size", "reduce_scatter_flat"]
+__all__ = ["all_gather_rows", "all_to_all_rows", "group_device", "group_size", "reduce_scatter_flat"]
 
 # torch >= 2.13 renamed the flat collectives (the old names warn); older releases lack the new.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -23,6 +23,11 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def group_device(group) -> str:
+    """Where a small bookkeeping tensor for a collective on `group` must live (NCCL: the GPU)."""
+    return "cuda" if group is not None and dist.get_backend(group) == "nccl" else "cpu"
 
 
 def all_gather_rows(row: torch.Tensor, group, async_op: bool = False):

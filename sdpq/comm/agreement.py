@@ -2,23 +2,28 @@
 
 A rank with another seed, Hadamard flag, bit width or bucket size than its peers does not fail
 by itself: it sends bytes its peers decode differently (silently wrong sums) or of another size
-(gloo aborts the process). `check_agreement` runs once when a collective is built (one small
-all-gather of the settings, none per step) and raises the same `ConfigError` on every rank,
-naming each differing setting and which ranks hold which value.
+(gloo aborts the process). `check_agreement` runs once when a collective or an integration
+is set up (one small all-gather of the settings, none per step) and raises the same
+`ConfigError` on every rank, naming each differing setting and which ranks hold which value.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 
+from .._version import __version__
 from ..config import ConfigError
+from ._exchange import all_gather_rows, group_device
 
 __all__ = ["check_agreement", "WIRE_FORMAT"]
 
-# Bumped whenever the bytes on the wire change meaning (layout of codes and scales, rounding
-# streams): ranks running different sdpq releases with one format may still talk.
+# Bumped whenever the bytes on the wire change meaning (layout of codes and scales, transforms,
+# rounding streams). Ranks must also run the same sdpq release; the format number says in the
+# error whether the bytes themselves differ.
 WIRE_FORMAT = 2
 
 
@@ -32,12 +37,19 @@ def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
 
 def check_agreement(what: str, settings: Mapping[str, Any], group) -> None:
     """Raise ConfigError on every rank of `group` unless all of them passed equal `settings`
-    (nested mappings of plain values). Collective: every rank of the group must call it."""
+    (nested mappings of plain values) and run the same sdpq release and wire format.
+    Collective: every rank of the group must call it."""
     k = 1 if group is None else dist.get_world_size(group)
     if k == 1:
         return
     mine: dict[str, str] = {}
-    _flatten("", settings, mine)
+    _flatten("", {"sdpq_version": __version__, "wire_format": WIRE_FORMAT, **settings}, mine)
+    # Note: one all-gather of a 32-byte digest when the ranks agree (the usual case, ~1 ms);
+    # only a mismatch pays for gathering the settings themselves to name what differs.
+    digest = hashlib.sha256(repr(sorted(mine.items())).encode()).digest()
+    mine_t = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(group_device(group))
+    if bool((all_gather_rows(mine_t, group)[0] == mine_t).all()):
+        return
     everyone: list[dict[str, str] | None] = [None] * k
     dist.all_gather_object(everyone, mine, group=group)
     ranks = dist.get_process_group_ranks(group)

@@ -34,7 +34,7 @@ from ..quant.fused import decode_rows, encode_rows, poison_scales_, reduce_rows
 from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
 from . import timing
-from .agreement import WIRE_FORMAT, check_agreement
+from .agreement import check_agreement
 from ._exchange import all_to_all_rows, reduce_scatter_flat
 from ._rng import generator_state, restore_generator
 from .stats import CommStats, Recorder
@@ -92,7 +92,7 @@ class GradReduceScatter:
         self._world_elems = {"intra": sum(valid[n * L + k] for k in range(L) if k != l),
                              "inter": sum(valid[r] for r in range(N) if r // L != n)}
         self._valid_own = valid[topo.rank]
-        check_agreement("GradReduceScatter", {"wire_format": WIRE_FORMAT, "gradients": dataclasses.asdict(c),
+        check_agreement("GradReduceScatter", {"gradients": dataclasses.asdict(c),
                                               "numel": numel, "layout": topo.layout}, topo.world_group)
         self.residual: torch.Tensor | None = None  # error feedback of the inter-node stage
         self.calls = 0

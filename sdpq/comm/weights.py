@@ -29,7 +29,7 @@ from ..quant import QuantSpec
 from ..quant.groupwise import SCALE_DTYPES
 from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
 from . import timing
-from .agreement import WIRE_FORMAT, check_agreement
+from .agreement import check_agreement
 from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
 from .stats import CommStats, Recorder
@@ -80,7 +80,7 @@ class WeightGather:
         c = self.config
         self.spec = QuantSpec(bits=c.bits if c.mode == "diff" else 8, group_size=c.group_size,
                               rounding=c.rounding, scale_dtype=SCALE_DTYPES[c.scale_dtype])
-        check_agreement("WeightGather", {"wire_format": WIRE_FORMAT, "weights": dataclasses.asdict(c), "numel": numel,
+        check_agreement("WeightGather", {"weights": dataclasses.asdict(c), "numel": numel,
                                          "dtype": str(dtype), "reference_dtype": str(reference_dtype),
                                          "layout": topology.layout}, topology.world_group)
         self.reference: torch.Tensor | None = None  # R_l: [nodes, C]

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..comm import GradReduceScatter, Topology, WeightGather
+from ..comm.agreement import check_agreement
 from ..comm import stats as _stats
 from ..config import Config
 from ._ds_checkpoint import STATE_FILE, CheckpointMixin
@@ -104,6 +105,8 @@ class DeepSpeedAdapter(CheckpointMixin):
         self.optimizer = engine.optimizer
         self.recorder = recorder if recorder is not None else _stats.default_recorder()
         self.topology = Topology.build(ranks_per_node)
+        check_agreement("sdpq.deepspeed.initialize", {"config": config.to_dict(), "layout": self.topology.layout},
+                        self.topology.world_group)
         self.params: dict[int, Any] = {}
         for p in engine.module.parameters():
             self.params.setdefault(p.ds_id, p)

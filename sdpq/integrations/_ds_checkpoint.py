@@ -1,7 +1,10 @@
 """DeepSpeedAdapter's checkpoint state: one `sdpq_rank*.pt` per rank in DeepSpeed's tag directory.
 
 `engine.save_checkpoint` writes it before DeepSpeed's files, `engine.load_checkpoint` reads it
-after them (hooks in _ds_adapter.py). It holds every WeightGather's and GradReduceScatter's own
+after them (hooks in _ds_adapter.py). On another layout with the same world size (2 x 2 saved,
+4 x 1 or 1 x 4 loaded) DeepSpeed loads its partitions and the sdpq state is rebuilt (exact
+reference refresh, residuals from zero) with a warning; another world size is refused by
+DeepSpeed's own loader (ZeRO-3 partitions do not reshard). It holds every WeightGather's and GradReduceScatter's own
 state_dict (references, pending refreshes, rounding streams, error feedback), so a resumed run
 continues bit for bit. Parameters and buckets are named by position, not ds_id: ds_id numbering
 continues across engines in one process.
@@ -67,7 +70,7 @@ class CheckpointMixin:
         path = self._state_path(ckpt_dir)
         state, problem = None, None
         if os.path.isfile(path):
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = torch.load(path, map_location="cpu", weights_only=True)
             problem = self._incompatible(state)
         else:
             problem = f"no {os.path.basename(path)} in {ckpt_dir} (not saved by sdpq)"
@@ -79,7 +82,8 @@ class CheckpointMixin:
         else:
             if self.topology.rank == 0:
                 warnings.warn(f"sdpq: checkpoint {ckpt_dir}: {problem or 'another rank cannot use its sdpq state'}; "
-                              "the weight references resync exactly", RuntimeWarning, stacklevel=4)
+                              "the weight references are refreshed exactly at the first gather and the "
+                              "error-feedback residuals restart from zero", RuntimeWarning, stacklevel=4)
             for grs in self.grads.values():
                 grs.reset_error_feedback()
             self.mark_weights_dirty(resync=True)

@@ -3,20 +3,35 @@
 DCP wants a flat dict of tensors whose keys say whose they are, so the collectives' own
 state_dicts are flattened into "rank{r}.{module fqn}.<field>" keys (every rank keeps its own
 copy). These key names are a file format: checkpoints written by earlier versions must load.
+
+Another layout (nodes x ranks per node, or world size) on resume: DCP reshards the model and
+optimizer, but sdpq's state is per rank and per layout (a node's weight reference, a rank's
+error-feedback residual), so it cannot be resharded. `state_dict(model, checkpoint_id=path)`
+reads the checkpoint's metadata and, when the saved state has another shape, leaves it out of
+the template; `load_state_dict` then rebuilds it: every weight reference is refreshed exactly
+at the first gather (one unquantized all-gather) and the residuals restart from zero, with a
+`ResumeLayoutWarning`. The run continues from the loaded weights and optimizer states.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import os
+import warnings
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..comm import GradReduceScatter, WeightGather
+from ..comm._exchange import group_device
 from ._fsdp_hooks import ModuleComms, applied
 
-__all__ = ["state_dict", "load_state_dict"]
+__all__ = ["state_dict", "load_state_dict", "ResumeLayoutWarning"]
+
+
+class ResumeLayoutWarning(UserWarning):
+    """A checkpoint's sdpq state was saved on another layout and is rebuilt instead of loaded."""
 
 
 def _prefix(c: ModuleComms) -> str:
@@ -80,34 +95,83 @@ def _gradients_state(q: str, state: Mapping[str, torch.Tensor]) -> dict:
     return s
 
 
-def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def state_dict(model: nn.Module, *, checkpoint_id: str | os.PathLike | Any | None = None) -> dict[str, torch.Tensor]:
     """This rank's sdpq state as a flat dict of tensors, for torch.distributed.checkpoint: weight
     references (+ version), gradient error-feedback residuals, stochastic-rounding RNG states.
     Keys start with "rank{r}." so that DCP keeps every rank's own copy. The same call on a freshly
-    set-up model gives the template to load into (same shapes)."""
+    set-up model gives the template to load into (same shapes).
+
+    To load, pass the checkpoint you will load (`checkpoint_id`: its path or a DCP StorageReader):
+    if its sdpq state was saved on another layout, the template is empty (DCP would fail on the
+    shapes) and `load_state_dict` rebuilds the state instead. Collective: call it on every rank."""
+    st = applied(model)
     out: dict[str, torch.Tensor] = {}
-    for c in applied(model).comms:
+    for c in st.comms:
         p = _prefix(c)
         out[p + "layout"] = torch.tensor(_layout(c), dtype=torch.int64)
         _save_weights(c.weights, p, out)
         for numel, rs in sorted(c.gradients.items()):
             _save_gradients(rs, p + f"gradients.{numel}.", out)
+    st.relayout_from = None
+    if checkpoint_id is not None:
+        st.relayout_from = _other_layout(out, checkpoint_id, dist.group.WORLD)
+        if st.relayout_from is not None:
+            return {}
     return out
+
+
+def _other_layout(template: Mapping[str, torch.Tensor], checkpoint_id, group) -> str | None:
+    """Why the checkpoint's sdpq state does not fit `template` (None if it does), decided alike
+    on every rank (each compares its own keys)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
+    saved = {k: getattr(m, "size", None) for k, m in reader.read_metadata().state_dict_metadata.items()}
+    problem = None
+    for key, t in template.items():
+        # The caller nests our dict under a key of its choice: DCP stores "<their key>.<ours>".
+        hits = [size for k, size in saved.items() if k == key or k.endswith("." + key)]
+        if not hits or tuple(hits[0]) != tuple(t.shape):
+            problem = f"{key}: saved {tuple(hits[0]) if hits else 'nothing'}, this run {tuple(t.shape)}"
+            break
+    bad = torch.tensor([1 if problem else 0], dtype=torch.int64, device=group_device(group))
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if not bad.item():
+        return None
+    return problem or "another rank's sdpq state has another layout"
+
+
+def _rebuild(model: nn.Module, why: str) -> None:
+    """Resume without sdpq's saved state: exact reference refresh, residuals from zero."""
+    if dist.get_rank() == 0:
+        warnings.warn(f"sdpq.fsdp.load_state_dict: the checkpoint's sdpq state is of another layout ({why}); "
+                      "the weight references are refreshed exactly at the first gather and the error-feedback "
+                      "residuals restart from zero", ResumeLayoutWarning, stacklevel=3)
+    for c in applied(model).comms:
+        c.weights.mark_dirty(resync=True)
+        for rs in c.gradients.values():
+            rs.reset_error_feedback()
 
 
 def load_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Restore what state_dict saved (after dcp.load filled it). Marks the weights changed with a
     quantized difference against the restored reference, exactly as the uninterrupted run's next
     gather would: resuming reproduces the trajectory bitwise. Do not call mark_weights_changed
-    on top of it (that would make the next refresh exact)."""
-    for c in applied(model).comms:
+    on top of it (that would make the next refresh exact). After a `state_dict(model,
+    checkpoint_id=...)` that found another layout, rebuilds the state instead (see the module)."""
+    st = applied(model)
+    if st.relayout_from is not None:
+        why, st.relayout_from = st.relayout_from, None
+        _rebuild(model, why)
+        return
+    for c in st.comms:
         p = _prefix(c)
         layout, mine = state.get(p + "layout"), _layout(c)
         if layout is None or layout.tolist() != mine:
             raise ValueError(
                 f"sdpq.fsdp.load_state_dict: no state for {c.fqn or '<root>'} with layout (world, ranks_per_node, "
                 f"numel) = {mine} (saved: {None if layout is None else layout.tolist()}); to resume on another "
-                "layout, skip sdpq's state and call sdpq.fsdp.mark_weights_changed(model)")
+                "layout, build the template with sdpq.fsdp.state_dict(model, checkpoint_id=<the checkpoint>)")
         c.weights.load_state_dict(_weights_state(c.weights, p, state))
         for numel, rs in c.gradients.items():
             s = _gradients_state(p + f"gradients.{numel}.", state)

@@ -148,6 +148,9 @@ class Applied:
     config: Config
     comms: list  # ModuleComms, in model.named_modules() order
     hooks: list  # optimizer hook handles
+    # Set by state_dict(model, checkpoint_id=...) when that checkpoint holds sdpq state of another
+    # layout: the next load_state_dict rebuilds it instead of reading it.
+    relayout_from: str | None = None
 
 
 def applied(model: nn.Module) -> Applied:

@@ -33,7 +33,10 @@ with a shard dim across nodes L' = 1 and the 4-bit inter-node stages apply. The 
 count what sdpq sends; the replicate all-reduce is not in them.
 
 Checkpoints (torch.distributed.checkpoint): put `state_dict(model)` next to the model and
-optimizer state; after `dcp.load`, pass the loaded dict to `load_state_dict(model, ...)`.
+optimizer state; to load, build the template with `state_dict(model, checkpoint_id=path)` and
+after `dcp.load` pass the loaded dict to `load_state_dict(model, ...)`. The same layout resumes
+bitwise; another layout (nodes, ranks per node or world size) rebuilds sdpq's state (see
+_fsdp_checkpoint.py) and continues.
 
 Files: this one sets up and tears down; `_fsdp_hooks.py` holds the per-module state and the comm
 hooks FSDP calls, `_fsdp_checkpoint.py` the DCP state, `_fsdp_topology.py` the HSDP node layout.
@@ -50,8 +53,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 from ..comm import Topology, WeightGather
+from ..comm.agreement import check_agreement
 from ..config import Config
-from ._fsdp_checkpoint import load_state_dict, state_dict  # re-exported: sdpq.fsdp.state_dict / load_state_dict
+from ._fsdp_checkpoint import ResumeLayoutWarning, load_state_dict, state_dict  # re-exported as sdpq.fsdp.*
 from ._fsdp_hooks import (MODULE_ATTR, ROOT_ATTR, Applied, ModuleComms, SdpqAllGather, SdpqReduceScatter,
                           StaleWeightsWarning, applied)
 from ._fsdp_topology import topology_for_mesh_dim
@@ -62,6 +66,7 @@ __all__ = [
     "mark_weights_changed",
     "state_dict",
     "load_state_dict",
+    "ResumeLayoutWarning",
     "is_applied",
     "module_comms",
     "ModuleComms",
@@ -145,6 +150,9 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
     if not dist.is_initialized():
         raise RuntimeError("sdpq.fsdp.apply: torch.distributed is not initialised")
     world = Topology.build(cfg.topology)
+    # Note: the whole resolved config, not only what shapes the wire: a rank with other optimizer
+    # settings would update its shards differently without any error.
+    check_agreement("sdpq.fsdp.apply", {"config": cfg.to_dict(), "layout": world.layout}, world.world_group)
     # One Topology per distinct shard group; built in model order, the same on every rank.
     topologies: dict[int, Topology] = {}
     comms_list: list[ModuleComms] = []

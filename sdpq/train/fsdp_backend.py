@@ -97,12 +97,12 @@ def build_optimizer(spec: RunSpec, model, cfg: Config | None) -> tuple[torch.opt
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _states(model, opt) -> dict:
+def _states(model, opt, checkpoint_id: str | None = None) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     sd: dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     if sdpq_fsdp.is_applied(model):
-        sd["sdpq"] = sdpq_fsdp.state_dict(model)
+        sd["sdpq"] = sdpq_fsdp.state_dict(model, checkpoint_id=checkpoint_id)
     return sd
 
 
@@ -120,7 +120,7 @@ def load_checkpoint(path: str, model, opt) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    sd = _states(model, opt)  # templates (right shapes and placements)
+    sd = _states(model, opt, checkpoint_id=path)  # templates (right shapes and placements)
     sd["progress"] = {"step": torch.tensor(-1, dtype=torch.int64)}
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])

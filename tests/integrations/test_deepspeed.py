@@ -162,6 +162,36 @@ def test_resume_in_fresh_processes_is_bitwise(dist, tmp_path):
         assert r["val"] == w["val"]
 
 
+def _resume_fn(ctx, spec):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        out = _train(ctx, spec)
+    out["warned"] = [str(w.message) for w in caught if "sdpq" in str(w.message)]
+    return out
+
+
+def test_resume_on_other_layouts(dist, tmp_path):
+    """Saved on 2 nodes x 2, resumed on 4 x 1 and 1 x 4 (same world: DeepSpeed loads its
+    partitions; sdpq's per-layout state is rebuilt with one warning and the curve continues) and
+    on 2 x 1 (another world size: DeepSpeed's ZeRO-3 files do not reshard; the load stops with a
+    message that says so and what to do)."""
+    block = {"weights": {"mode": "diff"}, "gradients": {"error_feedback": True}}
+    spec = dataclasses.replace(SPEC, steps=6, bf16=True, sdpq=block, checkpoint_dir=str(tmp_path / "ckpt"))
+    whole = _run(dist, dataclasses.replace(spec, save_at=3))[0]["losses"]
+    for rpn in (1, 4):
+        dist.discard(4)
+        res = dist.run(_resume_fn, 4, rpn, dataclasses.replace(spec, resume=True, ranks_per_node=rpn), timeout=TIMEOUT)
+        losses = res[0]["losses"]
+        assert len(res[0]["warned"]) == 1 and not any(r["warned"] for r in res[1:]), [r["warned"] for r in res]
+        assert "layout 2x2" in res[0]["warned"][0] and "restart from zero" in res[0]["warned"][0], res[0]["warned"]
+        rel = max(abs(a - b) / b for a, b in zip(losses[3:], whole[3:]))
+        print(f"DeepSpeed 2x2 -> {4 // rpn}x{rpn}: losses {losses[3:]} vs {whole[3:]}, max rel diff {rel:.4f}")
+        assert rel < 0.005, (rpn, losses, whole)
+    dist.discard(4)
+    with pytest.raises(Exception, match="DP world size of 4 but the current world size is 2"):
+        dist.run(_train, 2, 1, dataclasses.replace(spec, resume=True, ranks_per_node=1), None, timeout=TIMEOUT)
+
+
 # ----------------------------------------------------------------------------- weight versions
 
 
@@ -262,7 +292,7 @@ def _versions_fn(ctx, ckpt):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         eng2.load_checkpoint(ckpt, tag="t")
-    out["warned"] = any("resync exactly" in str(x.message) for x in w)
+    out["warned"] = any("refreshed exactly" in str(x.message) for x in w)
     loaded = _truth(eng2)
     # Parameters ZeRO keeps gathered were re-gathered at the end of the load, exactly...
     out["persistent_exact"] = [n for n, p in eng2.module.named_parameters()
@@ -310,6 +340,27 @@ TINY_NAMES = _names()
 
 
 # ----------------------------------------------------------------------------- start-up checks
+
+
+def _disagree_fn(ctx):
+    _fresh_deepspeed()
+    block = {"weights": {"mode": "diff"}, "topology": {"ranks_per_node": 2}}
+    if ctx.rank == 3:  # a node with a stale config file
+        block["gradients"] = {"seed": 9}
+    try:
+        _engine(block, bf16=True)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_disagree_fail_alike_at_initialize(dist):
+    errors = dist.run(_disagree_fn, 4, 2, timeout=TIMEOUT)
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    msg = errors[0]
+    assert msg.startswith("sdpq.deepspeed.initialize:") and "config.gradients.seed" in msg, msg
+    assert "9 on ranks [3]" in msg and "0 on ranks [0, 1, 2]" in msg, msg
+
 
 
 def test_typo_in_sdpq_block_fails_at_startup_with_key_path():

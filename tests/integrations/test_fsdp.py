@@ -169,6 +169,42 @@ def test_dcp_resume_is_bitwise(dist, tmp_path, cfg_name):
         assert p_res == p_full and ref_res == ref_full
 
 
+def _save_only(ctx, cfg, path, bf16):
+    from sdpq.train.fsdp_backend import train
+
+    return train(_spec(ctx, cfg, steps=6, bf16=bf16, checkpoint_dir=path, save_at=3), checks=True).losses
+
+
+def _resume_only(ctx, cfg, path, bf16):
+    from sdpq.integrations.fsdp import ResumeLayoutWarning
+    from sdpq.train.fsdp_backend import train
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResumeLayoutWarning)
+        r = train(_spec(ctx, cfg, steps=6, bf16=bf16, checkpoint_dir=path, resume=True), checks=True)
+    return r.losses, [str(w.message) for w in caught if issubclass(w.category, ResumeLayoutWarning)]
+
+
+@pytest.mark.parametrize("cfg_name", ["quant_error_feedback", "quant_mcf"])
+def test_dcp_resume_on_other_layouts_continues_the_curve(dist, tmp_path, cfg_name):
+    """Saved on 2 nodes x 2, resumed on 4 x 1, 1 x 4 and 2 x 1: DCP reshards the model and the
+    optimizer; sdpq's per-layout state is rebuilt (exact reference refresh, residuals from zero)
+    with a warning on rank 0, and the loss continues the uninterrupted curve."""
+    cfg, bf16 = (QUANT_MCF, True) if cfg_name == "quant_mcf" else ({**QUANT, "gradients": {"error_feedback": True}}, False)
+    path = str(tmp_path / "ckpt")
+    full = dist.run(_save_only, WORLD, RPN, cfg, path, bf16, timeout=150)[0]
+    for world, rpn in [(4, 1), (4, 4), (2, 1)]:
+        res = dist.run(_resume_only, world, rpn, cfg, path, bf16, timeout=150)
+        losses, warned = res[0]
+        assert len(warned) == 1 and "another layout" in warned[0], warned
+        assert all(not w for _, w in res[1:])  # one warning per job, not per rank
+        rel = max(abs(a - b) / b for a, b in zip(losses[3:], full[3:]))
+        print(f"{cfg_name} 2x2 -> {world // rpn}x{rpn}: losses {losses[3:]} vs {full[3:]}, max rel diff {rel:.4f}")
+        # Same world: only the quantization noise differs. World 2: each step averages half the
+        # batch of the 2 x 2 run (ranks 0 and 1's micro-batches), so batch noise adds ~3%.
+        assert rel < (0.005 if world == WORLD else 0.05), (world, rpn, losses, full)
+
+
 # ----------------------------------------------------------------------------- API behaviour
 
 
@@ -252,6 +288,38 @@ def test_misuse_errors_remove_and_stale_weights(dist):
     assert "ranks_per_node 3" in errors["bad_topology"]
     assert "remove" in errors["twice"]
     assert "optimizer" in errors["foreign_optimizer"]
+
+
+def _disagree(ctx, per_rank, version_on_rank):
+    import sdpq.comm.agreement as agreement
+    from sdpq.config import ConfigError
+    from sdpq.integrations import fsdp as sf
+    from sdpq.train.fsdp_backend import build_model
+
+    if ctx.rank == version_on_rank:
+        agreement.__version__ = "0.0.1"  # another sdpq release on one node
+    model = build_model(_spec(ctx, None))
+    cfg = {**QUANT, "topology": {"ranks_per_node": ctx.ranks_per_node}, **per_rank.get(ctx.rank, {})}
+    try:
+        sf.apply(model, cfg)
+    except ConfigError as e:
+        return str(e), sf.is_applied(model)
+    return None, sf.is_applied(model)
+
+
+@pytest.mark.parametrize("case", ["optimizer", "version"])
+def test_ranks_that_disagree_fail_alike_at_apply(dist, case):
+    """One rank with other settings (even ones that do not shape the wire) or another sdpq
+    release: every rank raises the same error naming the key and who holds what; nothing is
+    installed."""
+    per_rank = {2: {"optimizer": {"enabled": False, "states": "bf16"}}} if case == "optimizer" else {}
+    res = dist.run(_disagree, WORLD, RPN, per_rank, 1 if case == "version" else -1, timeout=120)
+    errors = {e for e, _ in res}
+    assert len(errors) == 1 and None not in errors, errors
+    assert not any(applied for _, applied in res)
+    msg = errors.pop()
+    key, odd = ("config.optimizer.states", [2]) if case == "optimizer" else ("sdpq_version", [1])
+    assert msg.startswith("sdpq.fsdp.apply:") and key in msg and f"on ranks {odd}" in msg, msg
 
 
 def _reshard_int(ctx):
