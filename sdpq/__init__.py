@@ -9,6 +9,7 @@ import importlib
 
 from ._version import __version__
 from .config import Config, ConfigError
+from .integrations import _ds_hook
 
 __all__ = ["Config", "ConfigError", "stats", "quant", "comm", "optim", "fsdp", "deepspeed", "__version__"]
 
@@ -17,8 +18,8 @@ _LAZY = {
     "quant": "sdpq.quant",
     "comm": "sdpq.comm",
     "optim": "sdpq.optim",
-    "fsdp": "sdpq.integrations.fsdp",
-    "deepspeed": "sdpq.integrations.deepspeed",
+    "fsdp": "sdpq.fsdp",
+    "deepspeed": "sdpq.deepspeed",
 }
 
 
@@ -29,3 +30,8 @@ def __getattr__(name: str):
         globals()[name] = module
         return module
     raise AttributeError(f"module 'sdpq' has no attribute {name!r}")
+
+
+# Note: from here on a DeepSpeed config with an "sdpq" block gets sdpq in every caller of
+# deepspeed.initialize (Hugging Face Trainer, Accelerate, Lightning); deepspeed is not imported.
+_ds_hook.install()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import inspect
 import os
@@ -38,6 +39,7 @@ from ._ds_config import IncompatibleConfigError, check_config, prepare_config
 
 __all__ = [
     "initialize",
+    "wrap_deepspeed",
     "init_distributed",
     "get_adapter",
     "check_deepspeed_version",
@@ -149,24 +151,35 @@ def _ranks_per_node(cfg: Config) -> int:
 
 def initialize(*args, **kwargs):
     """``deepspeed.initialize`` with the config's ``"sdpq"`` block applied (same arguments, same
-    return value: ``(engine, optimizer, training_dataloader, lr_scheduler)``)."""
+    return value: ``(engine, optimizer, training_dataloader, lr_scheduler)``). Once sdpq is
+    imported, ``deepspeed.initialize`` itself does this (see _ds_hook.py)."""
     import deepspeed
 
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    original = deepspeed.initialize
+    return _initialize(getattr(original, "__sdpq_original__", original), *args, **kwargs)
+
+
+def _block(ds: Mapping | None):
+    """The config's "sdpq" block, None when absent."""
+    return None if ds is None else ds.get("sdpq")
+
+
+def _initialize(ds_initialize, *args, **kwargs):
+    bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     a = dict(bound.arguments)
     ds, where = _load_config(a)
-    block = None if ds is None else ds.get("sdpq")
+    block = _block(ds)
     with _no_shm_op_build():
         if block is None or (isinstance(block, Mapping) and len(block) == 0):
             if block is not None:  # an empty block: plain DeepSpeed, without the unknown key
                 a["config"] = {k: v for k, v in ds.items() if k != "sdpq"}
                 _drop_other_sources(a, where)
-            return deepspeed.initialize(**a)
+            return ds_initialize(**a)
         cfg = Config.from_deepspeed(ds)  # ConfigError names the key path of a typo
         check_deepspeed_version()
         a["config"] = prepare_config(ds, cfg, a)
         _drop_other_sources(a, where)
-        result = deepspeed.initialize(**a)
+        result = ds_initialize(**a)
     engine = result[0]
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -175,6 +188,43 @@ def initialize(*args, **kwargs):
                                       f"{type(engine.optimizer).__name__}")
     DeepSpeedAdapter(engine, cfg, _ranks_per_node(cfg))
     return result
+
+
+def wrap_deepspeed(module) -> None:
+    """Make ``module.initialize`` (the deepspeed package's) apply a non-empty "sdpq" block and
+    pass every other config through untouched; make an engine built from a config that still
+    holds a block (it bypassed the wrapper) fail at start-up. Idempotent."""
+    original = module.initialize
+    if not hasattr(original, "__sdpq_original__"):
+
+        @functools.wraps(original)
+        def initialize(*args, **kwargs):
+            ds, _ = _load_config(dict(inspect.signature(original).bind(*args, **kwargs).arguments))
+            if not _block(ds):
+                return original(*args, **kwargs)
+            return _initialize(original, *args, **kwargs)
+
+        initialize.__sdpq_original__ = original
+        module.initialize = initialize
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    engine_init = DeepSpeedEngine.__init__
+    if not hasattr(engine_init, "__sdpq_original__"):
+
+        @functools.wraps(engine_init)
+        def guarded_init(self, *args, **kwargs):
+            # Note: sdpq's own path removes the block before DeepSpeed sees the config.
+            ds = getattr(kwargs.get("config_class"), "_param_dict", None) or kwargs.get("config")
+            if isinstance(ds, Mapping) and _block(ds):
+                raise IncompatibleConfigError(
+                    "this DeepSpeed config has an \"sdpq\" block, but the engine is being built without sdpq "
+                    "(deepspeed.initialize was bound before `import sdpq`, or DeepSpeedEngine is built directly), "
+                    "so the block would be ignored: import sdpq before deepspeed, or call "
+                    "sdpq.deepspeed.initialize")
+            engine_init(self, *args, **kwargs)
+
+        guarded_init.__sdpq_original__ = engine_init
+        DeepSpeedEngine.__init__ = guarded_init
 
 
 def _drop_other_sources(a: dict, where: str | None) -> None:

@@ -354,6 +354,33 @@ def _disagree_fn(ctx):
     return None
 
 
+def _bypass_fn(ctx, via):
+    import deepspeed as ds
+
+    from sdpq.train import deepspeed_backend
+    from sdpq.train.model import GPT
+
+    _fresh_deepspeed()
+    model = GPT(TINY)
+    cfg = deepspeed_backend.ds_config(dataclasses.replace(SPEC, sdpq=FULL_BLOCK, bf16=True, grad_accum=1), ZERO)
+    cfg["sdpq"] = {**FULL_BLOCK, "topology": {"ranks_per_node": 2}}
+    initialize = ds.initialize if via == "deepspeed.initialize" else ds.initialize.__sdpq_original__
+    try:
+        engine = initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    except sds.IncompatibleConfigError as e:
+        return str(e)
+    return sds.get_adapter(engine) is not None
+
+
+def test_deepspeed_initialize_applies_the_block_and_a_bypass_fails_at_startup(dist):
+    """After `import sdpq`, a framework's own deepspeed.initialize call applies the block (what the
+    Trainer, Accelerate and Lightning do); a path that bypasses it (an initialize bound before
+    `import sdpq`) fails at start-up instead of silently ignoring the block."""
+    assert dist.run(_bypass_fn, 4, 2, "deepspeed.initialize", timeout=TIMEOUT) == [True] * 4
+    errors = dist.run(_bypass_fn, 4, 2, "original", timeout=TIMEOUT)
+    assert all(isinstance(e, str) and "built without sdpq" in e for e in errors), errors
+
+
 def test_ranks_that_disagree_fail_alike_at_initialize(dist):
     errors = dist.run(_disagree_fn, 4, 2, timeout=TIMEOUT)
     assert len(set(errors)) == 1 and errors[0] is not None, errors

@@ -1,0 +1,5 @@
+"""``python -m sdpq``: the ``sdpq`` command line."""
+
+from .cli import main
+
+raise SystemExit(main())

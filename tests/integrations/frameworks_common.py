@@ -1,0 +1,78 @@
+"""Shared pieces of the framework tests (Hugging Face Trainer, Accelerate, Lightning): a tiny
+GPT-2 built from a config (no downloads), a byte-level dataset, the DeepSpeed config file a user
+would have, and an independent byte meter (benchmarks/zeropp/bytes.py wraps ProcessGroup)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+SEQ = 32
+STEPS = 60
+MICRO = 2
+LR = 3e-3
+# Every section at its defaults: 4-bit weight differences, two-level 8/4-bit gradients, FP8 + MCF AdamW.
+# Note: no "auto" values in the block: the Trainer and Accelerate try to fill every "auto" of the
+# file and fail on keys they do not know. ranks_per_node defaults to what the launcher says.
+BLOCK = {"weights": {"mode": "diff"}}
+
+
+def write_ds_config(path: str, block: dict | None, *, hf_auto: bool) -> str:
+    """The ZeRO-3 bf16 config a user already has (HF-style "auto" values for the Trainer and
+    Accelerate; concrete ones for Lightning), plus the "sdpq" block when given."""
+    auto = "auto" if hf_auto else None
+    ds = {
+        "train_micro_batch_size_per_gpu": auto or MICRO,
+        "gradient_accumulation_steps": auto or 1,
+        "gradient_clipping": auto or 1.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
+        "bf16": {"enabled": auto or True},
+        "optimizer": {"type": "AdamW", "params": {"lr": auto or LR, "betas": auto or [0.9, 0.95],
+                                                  "eps": auto or 1e-8, "weight_decay": auto or 0.0}},
+    }
+    if hf_auto:
+        ds["train_batch_size"] = "auto"
+    if block is not None:
+        ds["sdpq"] = block
+    with open(path, "w") as f:
+        json.dump(ds, f)
+    return path
+
+
+def tiny_gpt2():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=SEQ, vocab_size=256,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def samples(n: int) -> list[dict]:
+    """n byte-level sequences of the stdlib corpus: {"input_ids", "labels"} (the model shifts)."""
+    from sdpq.train.data import TokenData
+
+    data = TokenData.stdlib()
+    out = []
+    for i in range(n):
+        x, _ = data.batch(i, 0, 1, SEQ)
+        out.append({"input_ids": x[0].long(), "labels": x[0].long()})
+    return out
+
+
+def meter(ranks_per_node: int):
+    from benchmarks.zeropp.bytes import LinkBytes
+
+    return LinkBytes(ranks_per_node)
+
+
+def cross_node_bytes(m) -> int:
+    """This rank's bytes sent across the simulated node boundary, every path."""
+    return sum(v["inter"]["bytes"] for v in m.as_dict()["total"].values() if "inter" in v)
+
+
+def ranks_env(ctx) -> None:
+    """What a launcher sets and the frameworks read (the harness already set RANK & co.)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ["LOCAL_WORLD_SIZE"] = str(ctx.ranks_per_node)

@@ -1,0 +1,64 @@
+"""The "sdpq" block through Accelerate's DeepSpeed plugin, in a user's own training loop
+(4 gloo ranks as 2 simulated nodes x 2); the only sdpq line is `import sdpq`."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from frameworks_common import (BLOCK, LR, MICRO, STEPS, cross_node_bytes, meter, ranks_env,  # noqa: E402
+                               samples, tiny_gpt2, write_ds_config)
+
+TIMEOUT = 300
+
+
+def _accelerate_fn(ctx, out_dir, with_block):
+    import logging
+    import os
+
+    import sdpq  # noqa: F401  (the one line)
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+
+    from sdpq.integrations._ds_groups import reset_deepspeed_groups
+
+    reset_deepspeed_groups()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    ranks_env(ctx)
+    path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None, hf_auto=False)
+    # What `accelerate launch --use_deepspeed --deepspeed_config_file FILE` sets for the script.
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    model = tiny_gpt2()
+    acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=path))
+    data = samples(STEPS * MICRO * ctx.world_size)
+    loader = torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
+    # The config's "optimizer" block builds the optimizer: Accelerate's placeholder stands for it.
+    model, opt, loader = acc.prepare(model, DummyOptim(model.parameters(), lr=LR), loader)
+    losses = []
+    with meter(ctx.ranks_per_node) as m:
+        for batch in loader:
+            loss = model(**batch).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().float().clone()
+            torch.distributed.all_reduce(mean)  # (Accelerate's reduce("mean") sums on gloo)
+            losses.append(float(mean) / ctx.world_size)
+    return {"losses": losses, "cross": cross_node_bytes(m), "sdpq": getattr(model, "sdpq", None) is not None}
+
+
+def test_accelerate_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
+    plain = dist.run(_accelerate_fn, 4, 2, str(tmp_path), False, timeout=TIMEOUT)
+    dist.discard(4)
+    ours = dist.run(_accelerate_fn, 4, 2, str(tmp_path), True, timeout=TIMEOUT)
+    assert all(r["sdpq"] for r in ours) and not any(r["sdpq"] for r in plain)
+    ratio = sum(r["cross"] for r in ours) / sum(r["cross"] for r in plain)
+    p, q = plain[0]["losses"], ours[0]["losses"]
+    final = (sum(q[-10:]) / 10) / (sum(p[-10:]) / 10)  # mean of the last 10 steps
+    print(f"Accelerate: cross-node bytes ratio {ratio:.3f}, final loss ratio {final:.4f} ({p[-1]:.4f} vs {q[-1]:.4f})")
+    assert ratio <= 0.2, ratio
+    assert abs(final - 1) < 0.01, (p, q)

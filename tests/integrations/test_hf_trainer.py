@@ -1,0 +1,55 @@
+"""The "sdpq" block in a Hugging Face Trainer run (4 gloo ranks as 2 simulated nodes x 2).
+
+The user's script gains one line, `import sdpq`; `TrainingArguments(deepspeed=FILE)` is theirs.
+Bytes are counted by an independent meter that wraps torch.distributed (not sdpq's statistics).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from frameworks_common import (BLOCK, LR, MICRO, STEPS, cross_node_bytes, meter, ranks_env,  # noqa: E402
+                               samples, tiny_gpt2, write_ds_config)
+
+TIMEOUT = 300
+
+
+def _trainer_fn(ctx, out_dir, with_block):
+    import logging
+
+    import sdpq  # noqa: F401  (the one line: deepspeed.initialize now applies the block)
+    from transformers import Trainer, TrainingArguments
+
+    from sdpq.integrations._ds_groups import reset_deepspeed_groups
+
+    reset_deepspeed_groups()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    ranks_env(ctx)
+    path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None, hf_auto=True)
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=MICRO, max_steps=STEPS,
+                             learning_rate=LR, adam_beta2=0.95, warmup_steps=4, logging_steps=1, report_to=[],
+                             use_cpu=True, bf16=True, deepspeed=path, save_strategy="no", seed=0,
+                             disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=samples(STEPS * MICRO * ctx.world_size))
+    with meter(ctx.ranks_per_node) as m:
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    engine = trainer.model_wrapped
+    return {"losses": losses, "cross": cross_node_bytes(m), "sdpq": getattr(engine, "sdpq", None) is not None}
+
+
+def test_trainer_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
+    plain = dist.run(_trainer_fn, 4, 2, str(tmp_path), False, timeout=TIMEOUT)
+    dist.discard(4)
+    ours = dist.run(_trainer_fn, 4, 2, str(tmp_path), True, timeout=TIMEOUT)
+    assert all(r["sdpq"] for r in ours) and not any(r["sdpq"] for r in plain)
+    ratio = sum(r["cross"] for r in ours) / sum(r["cross"] for r in plain)
+    p, q = plain[0]["losses"], ours[0]["losses"]
+    final = (sum(q[-10:]) / 10) / (sum(p[-10:]) / 10)  # mean of the last 10 steps
+    print(f"HF Trainer: cross-node bytes ratio {ratio:.3f}, final loss ratio {final:.4f} ({p[-1]:.4f} vs {q[-1]:.4f})")
+    assert ratio <= 0.2, ratio
+    assert abs(final - 1) < 0.01, (p, q)

@@ -1,0 +1,49 @@
+"""The first lines users type: the submodules import every way, `python -m sdpq` runs, and
+`import sdpq` alone imports neither torch.distributed's frameworks nor DeepSpeed."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                          timeout=120).stdout
+
+
+def test_import_sdpq_imports_no_framework():
+    out = _python("import sys, sdpq; print('deepspeed' in sys.modules, 'torch' in sys.modules, "
+                  "'transformers' in sys.modules)")
+    assert out.split() == ["False", "False", "False"]
+
+
+def test_fsdp_submodule_every_way():
+    out = _python("import sdpq.fsdp\nfrom sdpq.fsdp import apply, state_dict\nimport sdpq\n"
+                  "print(sdpq.fsdp.apply is apply, sdpq.fsdp.state_dict is state_dict)")
+    assert out.split() == ["True", "True"]
+
+
+def test_deepspeed_submodule_every_way():
+    pytest.importorskip("deepspeed")
+    out = _python("import sdpq.deepspeed\nfrom sdpq.deepspeed import initialize\nimport sdpq\n"
+                  "print(sdpq.deepspeed.initialize is initialize)")
+    assert out.split()[-1] == "True"
+
+
+def test_attribute_access_imports_on_demand():
+    out = _python("import sdpq\nprint(sdpq.fsdp.__name__, callable(sdpq.fsdp.apply))")
+    assert out.split() == ["sdpq.fsdp", "True"]
+
+
+def test_python_dash_m_sdpq():
+    out = subprocess.run([sys.executable, "-m", "sdpq", "--help"], check=True, capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "usage: sdpq" in out and "bench" in out
+
+
+def test_deepspeed_initialize_is_wrapped_after_import_sdpq_whatever_the_order():
+    pytest.importorskip("deepspeed")
+    for order in ("import deepspeed, sdpq", "import sdpq, deepspeed"):
+        out = _python(f"{order}\nprint(hasattr(deepspeed.initialize, '__sdpq_original__'))")
+        assert out.split()[-1] == "True", order
