@@ -9,7 +9,7 @@ import os
 
 SEQ = 32
 STEPS = 60
-MICRO = 2
+MICRO = 8
 LR = 3e-3
 # Every section at its defaults: 4-bit weight differences, two-level 8/4-bit gradients, FP8 + MCF AdamW.
 # Note: no "auto" values in the block: the Trainer and Accelerate try to fill every "auto" of the
@@ -17,9 +17,9 @@ LR = 3e-3
 BLOCK = {"weights": {"mode": "diff"}}
 
 
-def write_ds_config(path: str, block: dict | None, *, hf_auto: bool) -> str:
-    """The ZeRO-3 bf16 config a user already has (HF-style "auto" values for the Trainer and
-    Accelerate; concrete ones for Lightning), plus the "sdpq" block when given."""
+def write_ds_config(path: str, block: dict | None, *, hf_auto: bool = False, lightning: bool = False) -> str:
+    """The ZeRO-3 bf16 config a user already has (HF-style "auto" values for the Trainer; concrete
+    ones otherwise, without the two keys Lightning owns), plus the "sdpq" block when given."""
     auto = "auto" if hf_auto else None
     ds = {
         "train_micro_batch_size_per_gpu": auto or MICRO,
@@ -31,7 +31,12 @@ def write_ds_config(path: str, block: dict | None, *, hf_auto: bool) -> str:
                                                   "eps": auto or 1e-8, "weight_decay": auto or 0.0}},
     }
     if hf_auto:
-        ds["train_batch_size"] = "auto"
+        ds["train_batch_size"] = "auto"  # the Trainer brings its own warm-up + linear decay
+    else:  # a decaying schedule, so that the last steps' losses compare without lr noise
+        ds["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                               "warmup_num_steps": 4, "total_num_steps": STEPS}}
+    if lightning:  # Lightning sets these from its Trainer's arguments and refuses them in the file
+        del ds["gradient_accumulation_steps"], ds["gradient_clipping"]
     if block is not None:
         ds["sdpq"] = block
     with open(path, "w") as f:
@@ -44,7 +49,7 @@ def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=SEQ, vocab_size=256,
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=2, n_positions=SEQ, vocab_size=256,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
@@ -72,7 +77,14 @@ def cross_node_bytes(m) -> int:
 
 
 def ranks_env(ctx) -> None:
-    """What a launcher sets and the frameworks read (the harness already set RANK & co.)."""
+    """What a launcher sets and the frameworks read (the harness already set RANK & co.); and a
+    fresh Accelerate state (its singletons outlive one run in a reused worker)."""
+    try:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    except ImportError:
+        pass
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ["LOCAL_WORLD_SIZE"] = str(ctx.ranks_per_node)

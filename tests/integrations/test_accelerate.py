@@ -22,22 +22,26 @@ def _accelerate_fn(ctx, out_dir, with_block):
     import sdpq  # noqa: F401  (the one line)
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
 
     from sdpq.integrations._ds_groups import reset_deepspeed_groups
 
     reset_deepspeed_groups()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     ranks_env(ctx)
-    path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None, hf_auto=False)
+    path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None)
     # What `accelerate launch --use_deepspeed --deepspeed_config_file FILE` sets for the script.
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     model = tiny_gpt2()
     acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=path))
-    data = samples(STEPS * MICRO * ctx.world_size)
+    # Note: driven this way on CPU, Accelerate's state counts one process and would hand every
+    # rank the whole dataset; each rank takes its own share, as Accelerate does on GPUs.
+    data = samples(STEPS * MICRO * ctx.world_size)[ctx.rank::ctx.world_size]
     loader = torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
-    # The config's "optimizer" block builds the optimizer: Accelerate's placeholder stands for it.
-    model, opt, loader = acc.prepare(model, DummyOptim(model.parameters(), lr=LR), loader)
+    # The config's "optimizer" and "scheduler" blocks build them: Accelerate's placeholders stand in.
+    opt = DummyOptim(model.parameters(), lr=LR)
+    model, opt, loader, _ = acc.prepare(model, opt, loader, DummyScheduler(opt, total_num_steps=STEPS,
+                                                                            warmup_num_steps=4))
     losses = []
     with meter(ctx.ranks_per_node) as m:
         for batch in loader:
@@ -48,7 +52,7 @@ def _accelerate_fn(ctx, out_dir, with_block):
             mean = loss.detach().float().clone()
             torch.distributed.all_reduce(mean)  # (Accelerate's reduce("mean") sums on gloo)
             losses.append(float(mean) / ctx.world_size)
-    return {"losses": losses, "cross": cross_node_bytes(m), "sdpq": getattr(model, "sdpq", None) is not None}
+    return {"batches": len(loader), "losses": losses, "cross": cross_node_bytes(m), "sdpq": getattr(model, "sdpq", None) is not None}
 
 
 def test_accelerate_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
@@ -56,9 +60,10 @@ def test_accelerate_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
     dist.discard(4)
     ours = dist.run(_accelerate_fn, 4, 2, str(tmp_path), True, timeout=TIMEOUT)
     assert all(r["sdpq"] for r in ours) and not any(r["sdpq"] for r in plain)
+    assert plain[0]["batches"] == STEPS
     ratio = sum(r["cross"] for r in ours) / sum(r["cross"] for r in plain)
     p, q = plain[0]["losses"], ours[0]["losses"]
-    final = (sum(q[-10:]) / 10) / (sum(p[-10:]) / 10)  # mean of the last 10 steps
+    final = (sum(q[-20:]) / 20) / (sum(p[-20:]) / 20)  # mean of the last 20 steps
     print(f"Accelerate: cross-node bytes ratio {ratio:.3f}, final loss ratio {final:.4f} ({p[-1]:.4f} vs {q[-1]:.4f})")
     assert ratio <= 0.2, ratio
-    assert abs(final - 1) < 0.01, (p, q)
+    assert final < 1.01, (p, q)  # not more than 1% above the run without the block

@@ -49,7 +49,7 @@ def test_trainer_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
     assert all(r["sdpq"] for r in ours) and not any(r["sdpq"] for r in plain)
     ratio = sum(r["cross"] for r in ours) / sum(r["cross"] for r in plain)
     p, q = plain[0]["losses"], ours[0]["losses"]
-    final = (sum(q[-10:]) / 10) / (sum(p[-10:]) / 10)  # mean of the last 10 steps
+    final = (sum(q[-20:]) / 20) / (sum(p[-20:]) / 20)  # mean of the last 20 steps
     print(f"HF Trainer: cross-node bytes ratio {ratio:.3f}, final loss ratio {final:.4f} ({p[-1]:.4f} vs {q[-1]:.4f})")
     assert ratio <= 0.2, ratio
-    assert abs(final - 1) < 0.01, (p, q)
+    assert final < 1.01, (p, q)  # not more than 1% above the run without the block
