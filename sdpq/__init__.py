@@ -20,6 +20,7 @@ _LAZY = {
     "optim": "sdpq.optim",
     "fsdp": "sdpq.fsdp",
     "deepspeed": "sdpq.deepspeed",
+    "hf": "sdpq.hf",
 }
 
 

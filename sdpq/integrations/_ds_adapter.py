@@ -45,6 +45,7 @@ from ..comm.agreement import check_agreement
 from ..comm import stats as _stats
 from ..config import Config
 from ._ds_checkpoint import STATE_FILE, CheckpointMixin
+from ._ds_monitor import install_monitor
 
 __all__ = ["DeepSpeedAdapter", "STATE_FILE"]
 
@@ -120,6 +121,7 @@ class DeepSpeedAdapter(CheckpointMixin):
             self._install_weights()
             self._install_grads()
             self._install_engine()
+            install_monitor(self)
             self._alias_bf16_master()
         except BaseException:
             self.remove()

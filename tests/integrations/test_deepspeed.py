@@ -192,6 +192,25 @@ def test_resume_on_other_layouts(dist, tmp_path):
         dist.run(_train, 2, 1, dataclasses.replace(spec, resume=True, ranks_per_node=1), None, timeout=TIMEOUT)
 
 
+def test_statistics_reach_deepspeed_monitor_writers(dist, tmp_path):
+    """A "csv_monitor" section in the DeepSpeed config: sdpq's per-step figures land in its files
+    next to DeepSpeed's own events (the same writers serve TensorBoard, W&B and Comet)."""
+    import csv
+
+    out = str(tmp_path / "monitor")
+    overrides = {**ZERO, "csv_monitor": {"enabled": True, "output_path": out, "job_name": "run"}}
+    _run(dist, dataclasses.replace(SPEC, bf16=True, sdpq=FULL_BLOCK), overrides)
+    rows = {}
+    for name in ("sdpq_gradients_inter_bytes", "sdpq_gradients_inter_bits_per_element",
+                 "sdpq_weights_inter_bits_per_element", "sdpq_skipped_steps"):
+        with open(os.path.join(out, "run", name + ".csv")) as f:
+            rows[name] = [float(r[1]) for r in list(csv.reader(f))[1:]]
+    assert len(rows["sdpq_skipped_steps"]) == SPEC.steps  # one event per optimizer step
+    assert all(b > 0 for b in rows["sdpq_gradients_inter_bytes"])
+    assert all(4.0 < b < 4.5 for b in rows["sdpq_gradients_inter_bits_per_element"])
+    assert all(4.0 < b < 16.5 for b in rows["sdpq_weights_inter_bits_per_element"])  # first refresh exact
+
+
 # ----------------------------------------------------------------------------- weight versions
 
 

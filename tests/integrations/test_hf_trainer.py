@@ -21,8 +21,9 @@ TIMEOUT = 300
 def _trainer_fn(ctx, out_dir, with_block):
     import logging
 
-    import sdpq  # noqa: F401  (the one line: deepspeed.initialize now applies the block)
-    from transformers import Trainer, TrainingArguments
+    import sdpq  # (the one line: deepspeed.initialize now applies the block)
+    import sdpq.hf
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from sdpq.integrations._ds_groups import reset_deepspeed_groups
 
@@ -34,12 +35,22 @@ def _trainer_fn(ctx, out_dir, with_block):
                              learning_rate=LR, adam_beta2=0.95, warmup_steps=4, logging_steps=1, report_to=[],
                              use_cpu=True, bf16=True, deepspeed=path, save_strategy="no", seed=0,
                              disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0)
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=samples(STEPS * MICRO * ctx.world_size))
+    class Reporter(TrainerCallback):  # stands for report_to's integrations: sees what they see
+        seen: dict = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.update({k: v for k, v in (logs or {}).items() if k.startswith("sdpq/")})
+
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=samples(STEPS * MICRO * ctx.world_size),
+                      callbacks=[Reporter()])
+    if with_block:
+        sdpq.hf.log_stats(trainer)
     with meter(ctx.ranks_per_node) as m:
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     engine = trainer.model_wrapped
-    return {"losses": losses, "cross": cross_node_bytes(m), "sdpq": getattr(engine, "sdpq", None) is not None}
+    logged = Reporter.seen
+    return {"logged": logged, "losses": losses, "cross": cross_node_bytes(m), "sdpq": getattr(engine, "sdpq", None) is not None}
 
 
 def test_trainer_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
@@ -52,4 +63,7 @@ def test_trainer_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
     final = (sum(q[-20:]) / 20) / (sum(p[-20:]) / 20)  # mean of the last 20 steps
     print(f"HF Trainer: cross-node bytes ratio {ratio:.3f}, final loss ratio {final:.4f} ({p[-1]:.4f} vs {q[-1]:.4f})")
     assert ratio <= 0.2, ratio
+    logged = ours[0]["logged"]  # sdpq.hf.log_stats: the figures reach the Trainer's reporters
+    assert logged["sdpq/gradients/inter/bytes"] > 0 and 4.0 < logged["sdpq/gradients/inter/bits_per_element"] < 4.5
+    assert 4.0 < logged["sdpq/weights/inter/bits_per_element"] < 4.5, logged
     assert final < 1.01, (p, q)  # not more than 1% above the run without the block
