@@ -104,6 +104,20 @@ def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
         a["optimizer"] = _sdpq_optimizer(ds, cfg, a)
         out.pop("optimizer", None)
         out["zero_allow_untested_optimizer"] = True
+        opt_offload = zero.get("offload_optimizer") or {}
+        if isinstance(opt_offload, Mapping) and opt_offload.get("device") not in (None, "none"):
+            if cfg.optimizer.master == "mcf":
+                raise IncompatibleConfigError(
+                    "zero_optimization.offload_optimizer with sdpq.optimizer.master 'mcf': DeepSpeed runs its bf16 "
+                    "master-weights mode (which the MCF master uses) with an offloaded optimizer only through its own "
+                    "CPU Adam. Set \"sdpq\": {\"optimizer\": {\"master\": \"native\"}} to offload sdpq's AdamW, "
+                    "or remove offload_optimizer")
+            if opt_offload.get("device") != "cpu":
+                raise IncompatibleConfigError(f"zero_optimization.offload_optimizer.device "
+                                              f"{opt_offload.get('device')!r} with sdpq's AdamW; allowed: 'cpu'")
+            # Note: sdpq's AdamW (C++ kernels on CPU) then steps the offloaded partitions in place
+            # of DeepSpeed's CPU Adam, which DeepSpeed only allows with this flag.
+            out["zero_force_ds_cpu_optimizer"] = False
         if cfg.optimizer.master == "mcf":
             key = "bf16" if "bf16" in out else "bfloat16"
             out[key] = dict(out.get(key) or {}, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)

@@ -17,6 +17,8 @@ deepspeed = pytest.importorskip("deepspeed")
 
 import torch  # noqa: E402
 
+import sdpq  # noqa: E402
+
 import sdpq.integrations.deepspeed as sds  # noqa: E402
 from sdpq.config import ConfigError  # noqa: E402
 from sdpq.integrations._ds_groups import reset_deepspeed_groups  # noqa: E402
@@ -190,6 +192,32 @@ def test_resume_on_other_layouts(dist, tmp_path):
     dist.discard(4)
     with pytest.raises(Exception, match="DP world size of 4 but the current world size is 2"):
         dist.run(_train, 2, 1, dataclasses.replace(spec, resume=True, ranks_per_node=1), None, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("option", ["offload_optimizer", "offload_param"])
+def test_cpu_offload_with_the_block_keeps_the_loss(dist, option):
+    """ZeRO-3 CPU offload with the block: the same losses as the same option without it (sdpq's
+    AdamW steps the offloaded partitions; the MCF master cannot be offloaded, see below)."""
+    zero = {**ZERO["zero_optimization"], option: {"device": "cpu"}}
+    block = {**FULL_BLOCK, "optimizer": {"master": "native"}} if option == "offload_optimizer" else FULL_BLOCK
+    plain = _run(dist, dataclasses.replace(SPEC, bf16=True), {"zero_optimization": zero})
+    dist.discard(4)
+    ours = _run(dist, dataclasses.replace(SPEC, bf16=True, sdpq=block), {"zero_optimization": zero})
+    assert ours[0]["extra"]["sdpq"] is not None
+    for p, q in zip(plain[0]["losses"], ours[0]["losses"]):
+        assert abs(q - p) / p < 0.01, (plain[0]["losses"], ours[0]["losses"])
+
+
+def test_offloaded_mcf_master_and_fp16_mcf_are_refused_at_startup():
+    base = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(sds.IncompatibleConfigError, match=r"offload_optimizer with sdpq.optimizer.master 'mcf'"):
+        sds.check_config(base, sdpq.Config.from_deepspeed({**base, "sdpq": FULL_BLOCK}))
+    fp16 = {**base, "bf16": {"enabled": False}, "fp16": {"enabled": True},
+            "zero_optimization": {"stage": 3}}
+    with pytest.raises(sds.IncompatibleConfigError, match=r"'mcf'.*needs \"bf16\""):
+        sds.check_config(fp16, sdpq.Config.from_deepspeed({**fp16, "sdpq": FULL_BLOCK}))
 
 
 def test_statistics_reach_deepspeed_monitor_writers(dist, tmp_path):

@@ -322,6 +322,30 @@ def test_ranks_that_disagree_fail_alike_at_apply(dist, case):
     assert msg.startswith("sdpq.fsdp.apply:") and key in msg and f"on ranks {odd}" in msg, msg
 
 
+def _no_optimizer(ctx):
+    from sdpq.integrations import fsdp as sf
+    from sdpq.train.fsdp_backend import build_model
+
+    spec = _spec(ctx, None)
+    model = build_model(spec)
+    sf.apply(model, {**QUANT, "topology": {"ranks_per_node": ctx.ranks_per_node}})  # no optimizer given
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batch(spec, ctx.rank)
+    model(x, y).backward()
+    opt.step()  # changes the shards without telling sdpq
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        model(x, y)
+    return [str(i.message) for i in w if issubclass(i.category, sf.StaleWeightsWarning)]
+
+
+def test_apply_without_optimizer_warns_when_a_step_goes_unmarked(dist):
+    """apply() without the optimizer cannot see its steps: the next forward gathers the previous
+    weights and says so (StaleWeightsWarning), naming the fix."""
+    for warned in dist.run(_no_optimizer, WORLD, RPN, timeout=120):
+        assert warned and "mark_weights_changed" in warned[0], warned
+
+
 def _reshard_int(ctx):
     from sdpq.integrations import fsdp as sf
     from sdpq.train.fsdp_backend import build_model
