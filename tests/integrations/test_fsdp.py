@@ -296,6 +296,7 @@ def _disagree(ctx, per_rank, version_on_rank):
     from sdpq.integrations import fsdp as sf
     from sdpq.train.fsdp_backend import build_model
 
+    real = agreement.__version__
     if ctx.rank == version_on_rank:
         agreement.__version__ = "0.0.1"  # another sdpq release on one node
     model = build_model(_spec(ctx, None))
@@ -304,6 +305,8 @@ def _disagree(ctx, per_rank, version_on_rank):
         sf.apply(model, cfg)
     except ConfigError as e:
         return str(e), sf.is_applied(model)
+    finally:
+        agreement.__version__ = real  # the worker process runs later tests
     return None, sf.is_applied(model)
 
 
