@@ -88,3 +88,21 @@ def ranks_env(ctx) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ["LOCAL_WORLD_SIZE"] = str(ctx.ranks_per_node)
+
+
+def run_both_arms(dist, fn, out_dir: str, name: str, timeout: float) -> tuple[list, list]:
+    """`fn(ctx, out_dir, with_block)` on 4 ranks as 2 x 2 without and with the block (fresh
+    processes each); checks the must-haves: sdpq attached only with the block, cross-node bytes
+    at most 0.2 of the run without it, loss (mean of the last 20 steps) at most 1% above it.
+    Returns both runs' per-rank results."""
+    plain = dist.run(fn, 4, 2, out_dir, False, timeout=timeout)
+    dist.discard(4)
+    ours = dist.run(fn, 4, 2, out_dir, True, timeout=timeout)
+    assert all(r["sdpq"] for r in ours) and not any(r["sdpq"] for r in plain)
+    ratio = sum(r["cross"] for r in ours) / sum(r["cross"] for r in plain)
+    p, q = plain[0]["losses"], ours[0]["losses"]
+    final = (sum(q[-20:]) / 20) / (sum(p[-20:]) / 20)
+    print(f"{name}: cross-node bytes ratio {ratio:.3f}, final loss ratio {final:.4f} ({p[-1]:.4f} vs {q[-1]:.4f})")
+    assert ratio <= 0.2, ratio
+    assert final < 1.01, (p, q)
+    return plain, ours
