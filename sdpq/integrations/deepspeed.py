@@ -155,8 +155,8 @@ def initialize(*args, **kwargs):
     imported, ``deepspeed.initialize`` itself does this (see _ds_hook.py)."""
     import deepspeed
 
-    original = deepspeed.initialize
-    return _initialize(getattr(original, "__sdpq_original__", original), *args, **kwargs)
+    original = getattr(deepspeed.initialize, "__sdpq_original__", deepspeed.initialize)
+    return _initialize(original, *_read_arguments(original, args, kwargs))
 
 
 def _block(ds: Mapping | None):
@@ -164,10 +164,13 @@ def _block(ds: Mapping | None):
     return None if ds is None else ds.get("sdpq")
 
 
-def _initialize(ds_initialize, *args, **kwargs):
-    bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
-    a = dict(bound.arguments)
-    ds, where = _load_config(a)
+def _read_arguments(ds_initialize, args: tuple, kwargs: dict) -> tuple[dict, dict | None, str | None]:
+    """deepspeed.initialize's arguments by name, and the config they point to (read once)."""
+    a = dict(inspect.signature(ds_initialize).bind(*args, **kwargs).arguments)
+    return (a, *_load_config(a))
+
+
+def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
     block = _block(ds)
     with _no_shm_op_build():
         if block is None or (isinstance(block, Mapping) and len(block) == 0):
@@ -199,10 +202,10 @@ def wrap_deepspeed(module) -> None:
 
         @functools.wraps(original)
         def initialize(*args, **kwargs):
-            ds, _ = _load_config(dict(inspect.signature(original).bind(*args, **kwargs).arguments))
+            a, ds, where = _read_arguments(original, args, kwargs)
             if not _block(ds):
                 return original(*args, **kwargs)
-            return _initialize(original, *args, **kwargs)
+            return _initialize(original, a, ds, where)
 
         initialize.__sdpq_original__ = original
         module.initialize = initialize

@@ -77,8 +77,15 @@ def cross_node_bytes(m) -> int:
 
 
 def ranks_env(ctx) -> None:
-    """What a launcher sets and the frameworks read (the harness already set RANK & co.); and a
-    fresh Accelerate state (its singletons outlive one run in a reused worker)."""
+    """A rank ready for a framework run in a reused worker: what a launcher sets and the
+    frameworks read (the harness already set RANK & co.), DeepSpeed's cached groups forgotten and
+    its logging quiet, and a fresh Accelerate state (its singletons outlive one run)."""
+    import logging
+
+    from sdpq.integrations._ds_groups import reset_deepspeed_groups
+
+    reset_deepspeed_groups()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     try:
         from accelerate.state import AcceleratorState
 

@@ -16,7 +16,6 @@ TIMEOUT = 300
 
 
 def _accelerate_fn(ctx, out_dir, with_block):
-    import logging
     import os
 
     import sdpq  # noqa: F401  (the one line)
@@ -24,10 +23,6 @@ def _accelerate_fn(ctx, out_dir, with_block):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
 
-    from sdpq.integrations._ds_groups import reset_deepspeed_groups
-
-    reset_deepspeed_groups()
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     ranks_env(ctx)
     path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None)
     # What `accelerate launch --use_deepspeed --deepspeed_config_file FILE` sets for the script.

@@ -19,16 +19,10 @@ TIMEOUT = 300
 
 
 def _trainer_fn(ctx, out_dir, with_block):
-    import logging
-
     import sdpq  # (the one line: deepspeed.initialize now applies the block)
     import sdpq.hf
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from sdpq.integrations._ds_groups import reset_deepspeed_groups
-
-    reset_deepspeed_groups()
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     ranks_env(ctx)
     path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None, hf_auto=True)
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=MICRO, max_steps=STEPS,

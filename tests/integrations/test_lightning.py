@@ -30,8 +30,6 @@ def _lightning_fn(ctx, out_dir, with_block):
     import torch
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-    from sdpq.integrations._ds_groups import reset_deepspeed_groups
-
     import lightning.pytorch.strategies.deepspeed as lightning_ds
 
     class CPUDeepSpeedStrategy(DeepSpeedStrategy):
@@ -62,8 +60,6 @@ def _lightning_fn(ctx, out_dir, with_block):
         def configure_optimizers(self):
             return None  # the config's "optimizer" block builds it
 
-    reset_deepspeed_groups()
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     ranks_env(ctx)
     path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None, lightning=True)
