@@ -52,7 +52,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
-from ..comm import Topology, WeightGather
+from ..comm import CommStats, Topology, WeightGather
+from ..comm.stats import process_stats
 from ..comm.agreement import check_agreement
 from ..config import Config
 from ._fsdp_checkpoint import ResumeLayoutWarning, load_state_dict, state_dict  # re-exported as sdpq.fsdp.*
@@ -98,7 +99,19 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     for o in opts:
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(f"sdpq.fsdp.apply: optimizer must be a torch.optim.Optimizer, got {type(o).__name__}")
-    return opts
+    return [_unwrapped(o) for o in opts]
+
+
+def _unwrapped(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose step changes the weights.
+
+    Note: framework wrappers (Accelerate's AcceleratedOptimizer) subclass Optimizer without running
+    its __init__ and call the wrapped optimizer's step, so step hooks belong on the wrapped one;
+    a step the wrapper skips (while accumulating gradients) then marks nothing."""
+    while not hasattr(opt, "_optimizer_step_post_hooks") and isinstance(getattr(opt, "optimizer", None),
+                                                                         torch.optim.Optimizer):
+        opt = opt.optimizer
+    return opt
 
 
 def _param_group_of(name: str, module: nn.Module):
@@ -153,6 +166,7 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
     # Note: the whole resolved config, not only what shapes the wire: a rank with other optimizer
     # settings would update its shards differently without any error.
     check_agreement("sdpq.fsdp.apply", {"config": cfg.to_dict(), "layout": world.layout}, world.world_group)
+    stats = CommStats(config=cfg.stats, parent=process_stats())  # this model's own counters
     # One Topology per distinct shard group; built in model order, the same on every rank.
     topologies: dict[int, Topology] = {}
     comms_list: list[ModuleComms] = []
@@ -167,9 +181,10 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
         grad_in = sum(fp.padded_sharded_param_size.numel() for fp in params if fp.sharded_param.requires_grad)
         dtype = pg.mp_policy.param_dtype or params[0].sharded_param.dtype
         N = topo.world_size
-        wg = WeightGather(gather_in * N, topo, cfg.weights, dtype=dtype, device=pg.device, stats=cfg.stats)
+        wg = WeightGather(gather_in * N, topo, cfg.weights, dtype=dtype, device=pg.device, stats=cfg.stats,
+                          record_to=stats)
         comms = ModuleComms(fqn=name, module=module, param_group=pg, topology=topo, config=cfg, weights=wg,
-                            gather_input_numel=gather_in, grad_numel=grad_in * N)
+                            stats=stats, gather_input_numel=gather_in, grad_numel=grad_in * N)
         if grad_in:
             comms.gradient_comm(grad_in * N)
         comms._saved = (pg._all_gather_comm, pg._reduce_scatter_comm, pg.force_sum_reduction_for_comms)
@@ -194,10 +209,10 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
 
         def _after_step(_opt, _args, _kwargs, marked=marked):
             for c in marked:
-                c.weights.mark_dirty()
+                c.weights.mark_weights_changed()
 
         hooks.append(opt.register_step_post_hook(_after_step))
-    setattr(model, ROOT_ATTR, Applied(config=cfg, comms=comms_list, hooks=hooks))
+    setattr(model, ROOT_ATTR, Applied(config=cfg, comms=comms_list, hooks=hooks, stats=stats))
     return model
 
 
@@ -209,8 +224,8 @@ def remove(model: nn.Module) -> None:
         h.remove()
     for c in state.comms:
         ag, rs, force_sum = c._saved
-        c.param_group._all_gather_comm = ag  # the public setters only accept new custom comms
-        c.param_group._reduce_scatter_comm = rs
+        c.module.set_custom_all_gather(ag)  # FSDP's own comm objects, saved by apply
+        c.module.set_custom_reduce_scatter(rs)
         c.module.set_force_sum_reduction_for_comms(force_sum)
         delattr(c.module, MODULE_ATTR)
     delattr(model, ROOT_ATTR)
@@ -232,4 +247,4 @@ def mark_weights_changed(model: nn.Module, *, exact: bool = True) -> None:
     arbitrary jumps; `exact=False` sends a quantized difference, right for small updates.
     Call it on every rank alike."""
     for c in applied(model).comms:
-        c.weights.mark_dirty(resync=exact)
+        c.weights.mark_weights_changed(exact=exact)

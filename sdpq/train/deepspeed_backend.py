@@ -168,7 +168,7 @@ def _train(spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, check
     for s in range(start, spec.steps):
         losses[s] = float(local[s]) / world
     # Statistics of the training steps only (evaluation gathers come after).
-    mine = comm_stats.default_recorder().as_dict()
+    mine = comm_stats.process_stats().as_dict()
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
     comm = {"total": comm_stats.sum_over_ranks(per_rank), "per_rank": per_rank}
@@ -185,6 +185,7 @@ def _train(spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, check
         "first_step": start + 1,
         "world_size": world,
         "params": n_params,
+        "skipped_steps": int(engine.skipped_steps),
         "sdpq": None if adapter is None else adapter.config.to_dict(),
         "layout": None if adapter is None else adapter.topology.layout,
         "step_times": times,

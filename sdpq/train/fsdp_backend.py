@@ -14,10 +14,11 @@ tokens of the uninterrupted one.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..comm import stats as comm_stats
@@ -58,9 +59,12 @@ def sdpq_config(spec: RunSpec) -> Config | None:
 
 
 def build_model(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True, freeze: Iterable[str] = ()) -> GPT:
+                reshard_after_forward: bool = True, freeze: Iterable[str] = (),
+                per_block: Callable[[nn.Module], nn.Module] | None = None) -> GPT:
     """The GPT, identical on every rank (seeded), bf16 if spec.bf16, parameters whose name starts
-    with a prefix in `freeze` frozen, sharded per block and at the root."""
+    with a prefix in `freeze` frozen, sharded per block and at the root. per_block(block) runs on
+    each block before it is sharded and returns what replaces it (activation checkpointing, then
+    torch.compile, in a torchtitan-style order)."""
     torch.manual_seed(spec.seed)
     model = GPT(spec.model)
     if spec.bf16:
@@ -74,6 +78,9 @@ def build_model(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | N
         kw["mesh"] = mesh
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
+    if per_block is not None:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = per_block(block)
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -171,6 +178,7 @@ def _forward_digests(model, record: list) -> list:
         if not isinstance(m, FSDPModule):
             continue
 
+        @torch.compiler.disable  # a check, not part of the model: eager even in a compiled block
         def hook(mod, args, name=name):
             own = [p for p in mod.parameters() if not hasattr(p, "to_local")]  # unsharded = plain tensors
             record.append((name, digest(torch.cat([p.detach().reshape(-1).float() for p in own]))))
@@ -181,13 +189,14 @@ def _forward_digests(model, record: list) -> list:
 
 def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
           reshard_after_forward: bool = True, freeze: Iterable[str] = (), checks: bool = False,
-          data: TokenData | None = None) -> RunResult:
+          data: TokenData | None = None, per_block: Callable[[nn.Module], nn.Module] | None = None) -> RunResult:
     """Run `spec` with FSDP2 on the initialised default process group (every rank calls it).
 
     mesh: a DeviceMesh for fully_shard (2-D = HSDP); mp_policy: FSDP2 mixed precision (default:
     the one spec.mixed_precision names, see mp_policy_for; giving both is an error);
-    freeze: parameter-name prefixes to freeze; checks: record in `extra` a digest of the weights
-    every FSDP module's forward used (per step) and of every weight reference at the end.
+    freeze: parameter-name prefixes to freeze; per_block: see build_model; checks: record in
+    `extra` a digest of the weights every FSDP module's forward used (per step) and of every
+    weight reference at the end.
     """
     if spec.backend != "fsdp2":
         raise ValueError(f"fsdp_backend.train: spec.backend is {spec.backend!r}")
@@ -200,7 +209,7 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
     mp_policy = mp_policy or mp_policy_for(spec)
     cfg = sdpq_config(spec)
     model = build_model(spec, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-                        freeze=freeze)
+                        freeze=freeze, per_block=per_block)
     opt, opt_name = build_optimizer(spec, model, cfg)
     comm_stats.reset()
     if cfg is not None:
@@ -258,7 +267,7 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
 
     val = validation_loss(model, data, spec, rank, world)
 
-    mine = comm_stats.default_recorder().as_dict()
+    mine = comm_stats.process_stats().as_dict()
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
     comm = {"total": comm_stats.sum_over_ranks(per_rank), "per_rank": per_rank}

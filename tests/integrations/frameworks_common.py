@@ -44,6 +44,15 @@ def write_ds_config(path: str, block: dict | None, *, hf_auto: bool = False, lig
     return path
 
 
+def warmup_decay(opt):
+    """A warm-up and decay like the DeepSpeed files' WarmupDecayLR (linear to LR in 4 steps, then
+    linearly to 0 at STEPS) for runs whose script builds the optimizer, so that their last steps'
+    losses compare without the noise of a constant learning rate."""
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 4, max(0.0, (STEPS - s) / (STEPS - 4))))
+
+
 def tiny_gpt2():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -1,16 +1,23 @@
-"""The "sdpq" block through Accelerate's DeepSpeed plugin, in a user's own training loop
-(4 gloo ranks as 2 simulated nodes x 2); the only sdpq line is `import sdpq`."""
+"""sdpq in a user's own Accelerate training loop (4 gloo ranks as 2 simulated nodes x 2):
+- the "sdpq" block through Accelerate's DeepSpeed plugin; the only sdpq line is `import sdpq`;
+- Accelerate's FSDP2 plugin, then one `sdpq.fsdp.apply` after `accelerator.prepare`.
+
+Note: Accelerate selects FSDP only on GPUs (on CPU it picks DDP); the FSDP2 test sets the
+distributed type itself, so that the rest (Accelerate's fully_shard wrapping, mixed precision
+and optimizer parameter swap) is Accelerate's own code.
+"""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
-pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from frameworks_common import (BLOCK, LR, MICRO, STEPS, cross_node_bytes, meter, ranks_env, run_both_arms,  # noqa: E402
-                               samples, tiny_gpt2, write_ds_config)
+from frameworks_common import (BLOCK, LR, MICRO, STEPS, cross_node_bytes, meter,  # noqa: E402
+                               ranks_env, run_both_arms, samples, tiny_gpt2, warmup_decay, write_ds_config)
 
 TIMEOUT = 300
 
@@ -51,5 +58,47 @@ def _accelerate_fn(ctx, out_dir, with_block):
 
 
 def test_accelerate_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
+    pytest.importorskip("deepspeed")
     plain, _ = run_both_arms(dist, _accelerate_fn, str(tmp_path), "Accelerate", TIMEOUT)
     assert plain[0]["batches"] == STEPS
+
+
+def _accelerate_fsdp2_fn(ctx, out_dir, with_sdpq):
+    import sdpq
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    ranks_env(ctx)
+    model = tiny_gpt2()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["GPT2Block"])
+    acc = Accelerator(mixed_precision="bf16", fsdp_plugin=plugin, cpu=True)
+    acc.state.distributed_type = DistributedType.FSDP  # what Accelerate picks on GPUs (see the note)
+    acc.state.fsdp_plugin = plugin
+    plugin.set_mixed_precision("bf16")
+    data = samples(STEPS * MICRO * ctx.world_size)[ctx.rank::ctx.world_size]
+    loader = torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = warmup_decay(opt)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    if with_sdpq:
+        sdpq.fsdp.apply(model, sdpq.Config(), optimizer=opt)  # the one sdpq line, after prepare
+    losses = []
+    with meter(ctx.ranks_per_node) as m, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a stale-weights warning fails the test
+        for batch in loader:
+            loss = model(**batch).loss
+            acc.backward(loss)
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            mean = loss.detach().float().clone()
+            torch.distributed.all_reduce(mean)
+            losses.append(float(mean) / ctx.world_size)
+    return {"losses": losses, "cross": cross_node_bytes(m), "sdpq": sdpq.fsdp.is_applied(model)}
+
+
+def test_accelerate_fsdp2_with_sdpq_sends_a_fifth_of_the_bytes(dist, tmp_path):
+    run_both_arms(dist, _accelerate_fsdp2_fn, str(tmp_path), "Accelerate FSDP2", TIMEOUT)

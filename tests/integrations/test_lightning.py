@@ -1,5 +1,7 @@
-"""The "sdpq" block through Lightning's DeepSpeedStrategy (4 gloo ranks as 2 simulated nodes x 2);
-the only sdpq line is `import sdpq`.
+"""sdpq in Lightning (4 gloo ranks as 2 simulated nodes x 2):
+- the "sdpq" block through Lightning's DeepSpeedStrategy; the only sdpq line is `import sdpq`;
+- FSDP2 through ModelParallelStrategy (`fully_shard` in `configure_model`), then one
+  `sdpq.fsdp.apply` in `configure_optimizers`; this strategy runs on CPU as it is.
 
 Note: Lightning's DeepSpeedStrategy assumes CUDA in three places (a check in `setup_environment`,
 a GPU-index check in `setup_distributed`, `root_device.index` as DeepSpeed's device rank); the
@@ -12,14 +14,34 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
 
-from frameworks_common import (BLOCK, MICRO, STEPS, cross_node_bytes, meter, ranks_env, run_both_arms,  # noqa: E402
-                               samples, tiny_gpt2, write_ds_config)
+from frameworks_common import (BLOCK, LR, MICRO, STEPS, cross_node_bytes, meter,  # noqa: E402
+                               ranks_env, run_both_arms, samples, tiny_gpt2, warmup_decay, write_ds_config)
 
 TIMEOUT = 300
+
+
+def _lit_gpt(ctx):
+    """A LightningModule of the tiny GPT-2 that records the rank-mean loss of every step."""
+    import lightning.pytorch as pl
+    import torch
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_gpt2()
+            self.losses = []
+
+        def training_step(self, batch, _):
+            loss = self.model(**batch).loss
+            mean = loss.detach().float().clone()
+            torch.distributed.all_reduce(mean)
+            self.losses.append(float(mean) / ctx.world_size)
+            return loss
+
+    return LitGPT
 
 
 def _lightning_fn(ctx, out_dir, with_block):
@@ -44,19 +66,7 @@ def _lightning_fn(ctx, out_dir, with_block):
     # The GPU-index check of setup_distributed (CPU devices have no index).
     lightning_ds._validate_device_index_selection = lambda devices: None
 
-    class LitGPT(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_gpt2()
-            self.losses = []
-
-        def training_step(self, batch, _):
-            loss = self.model(**batch).loss
-            mean = loss.detach().float().clone()
-            torch.distributed.all_reduce(mean)
-            self.losses.append(float(mean) / ctx.world_size)
-            return loss
-
+    class LitGPT(_lit_gpt(ctx)):
         def configure_optimizers(self):
             return None  # the config's "optimizer" block builds it
 
@@ -76,4 +86,45 @@ def _lightning_fn(ctx, out_dir, with_block):
 
 
 def test_lightning_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
+    pytest.importorskip("deepspeed")
     run_both_arms(dist, _lightning_fn, str(tmp_path), "Lightning", TIMEOUT)
+
+
+def _lightning_fsdp2_fn(ctx, out_dir, with_sdpq):
+    import logging
+
+    import lightning.pytorch as pl
+    import sdpq
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    class LitGPT(_lit_gpt(ctx)):
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in self.model.transformer.h:
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(self.model, mesh=mesh, mp_policy=mp)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+            if with_sdpq:
+                sdpq.fsdp.apply(self.model, sdpq.Config(), optimizer=opt)  # the one sdpq line
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup_decay(opt), "interval": "step"}}
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    ranks_env(ctx)
+    lit = LitGPT()
+    loader = torch.utils.data.DataLoader(samples(STEPS * MICRO * ctx.world_size), batch_size=MICRO)
+    trainer = pl.Trainer(accelerator="cpu", devices=ctx.ranks_per_node, num_nodes=ctx.world_size // ctx.ranks_per_node,
+                         strategy=ModelParallelStrategy(data_parallel_size=ctx.world_size, tensor_parallel_size=1),
+                         max_steps=STEPS, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir)
+    with meter(ctx.ranks_per_node) as m:
+        trainer.fit(lit, loader)
+    return {"losses": lit.losses, "cross": cross_node_bytes(m), "sdpq": sdpq.fsdp.is_applied(lit.model)}
+
+
+def test_lightning_fsdp2_with_sdpq_sends_a_fifth_of_the_bytes(dist, tmp_path):
+    run_both_arms(dist, _lightning_fsdp2_fn, str(tmp_path), "Lightning FSDP2", TIMEOUT)
