@@ -2,7 +2,8 @@
 
 Sub-commands are registered from the modules that implement them, each exposing
 ``add_arguments(parser)`` and ``run(args) -> list[dict]`` (benchmarks) so this file stays a
-thin dispatcher. Imports are lazy: ``sdpq config --check`` must not pay for torch.distributed.
+thin dispatcher. Imports are lazy: only the chosen sub-command's module is imported, so
+``sdpq config --check`` does not pay for torch.distributed.
 """
 
 from __future__ import annotations
@@ -71,7 +72,16 @@ def _run_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser. Given `argv`, only the chosen sub-command's module is imported to add its
+    arguments (the others get a bare entry), so that e.g. `sdpq config` imports no benchmark,
+    launcher or torch.distributed; without `argv` (or for a top-level --help) every module is."""
+    chosen = argv[0] if argv and not argv[0].startswith("-") else None
+    bench_chosen = argv[1] if chosen == "bench" and len(argv) > 1 and not argv[1].startswith("-") else None
+
+    def full(name: str) -> bool:
+        return chosen is None or chosen == name
+
     parser = argparse.ArgumentParser(prog="sdpq", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -81,31 +91,35 @@ def build_parser() -> argparse.ArgumentParser:
         if not _module_available(module):
             continue
         p = bench_sub.add_parser(name, help=help_)
-        p.add_argument("--json", action="store_true", help="print a JSON list of records")
-        importlib.import_module(module).add_arguments(p)
+        if full("bench") and bench_chosen in (None, name):
+            p.add_argument("--json", action="store_true", help="print a JSON list of records")
+            importlib.import_module(module).add_arguments(p)
         p.set_defaults(func=_run_bench)
 
-    from .launch import emulated
-
     cl = sub.add_parser("cluster", help="run a torchrun job on an emulated K-node cluster (network namespaces, shaped link)")
-    emulated.add_arguments(cl)
-    cl.set_defaults(func=emulated.main)
+    if full("cluster"):
+        from .launch import emulated
+
+        emulated.add_arguments(cl)
+        cl.set_defaults(func=emulated.main)
 
     cfg = sub.add_parser("config", help="print defaults, the option reference, or check a DeepSpeed config")
     cfg.add_argument("--doc", action="store_true", help="markdown reference of every option")
     cfg.add_argument("--check", metavar="DS_CONFIG", help="validate the 'sdpq' block of a DeepSpeed JSON config")
     cfg.set_defaults(func=_run_config)
 
-    from . import demo
-
     d = sub.add_parser("demo", help="the end-to-end demo (4 CPU ranks, 2 simulated nodes)")
-    demo.add_arguments(d)
-    d.set_defaults(func=demo.main)
+    if full("demo"):
+        from . import demo
+
+        demo.add_arguments(d)
+        d.set_defaults(func=demo.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     return args.func(args)
 
 

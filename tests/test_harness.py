@@ -80,12 +80,12 @@ def _unmatched_collective(ctx):
 
 
 def test_hanging_collective_times_out_and_recovers(dist):
-    t0 = time.monotonic()
     with pytest.raises(harness.DistTestError) as info:
         dist.run(_unmatched_collective, 2, 1, timeout=1.5)
-    elapsed = time.monotonic() - t0
+    # The process group's own timeout fired (an exception raised in the rank), not the parent's
+    # kill of a hung rank (DistTimeoutError).
+    assert not isinstance(info.value, harness.DistTimeoutError)
     assert info.value.rank == 0
-    assert elapsed < 1.5 + 3.0  # the process group's own timeout fired, not the parent's kill
     out = dist.run(_identity, 2, 1, 1.0)
     assert [o["sum"] for o in out] == [3.0, 3.0]
 
@@ -97,10 +97,8 @@ def _sleep_on_rank_0(ctx):
 
 
 def test_hanging_rank_is_killed_with_stack(dist):
-    t0 = time.monotonic()
     with pytest.raises(harness.DistTimeoutError) as info:
-        dist.run(_sleep_on_rank_0, 2, 2, timeout=1)
-    assert time.monotonic() - t0 < 5
+        dist.run(_sleep_on_rank_0, 2, 2, timeout=1)  # would take 60 s unless the harness kills it
     assert info.value.hung == [0]
     assert "_sleep_on_rank_0" in info.value.stacks[0]
     assert dist.run(_identity, 2, 2, 1.0)[1]["sum"] == 3.0
@@ -133,21 +131,24 @@ def test_run_timeout_is_default_for_new_groups(dist):
     assert out[1] == (timedelta(seconds=9), 2.0)
 
 
+def _pid(ctx):
+    return os.getpid()
+
+
 def _noop(ctx):
     t = torch.ones(4)
     dist_.all_reduce(t)
     return t[0].item()
 
 
-def test_pool_reuse_is_fast(dist):
+def test_pool_is_reused(dist):
     dist.run(_noop, 4, 2)
     started = dist.pools_started
-    t0 = time.monotonic()
+    pids = dist.run(_pid, 4, 2)
     for _ in range(20):
         assert dist.run(_noop, 4, 2) == [4.0] * 4
-    per_run = (time.monotonic() - t0) / 20
-    assert dist.pools_started == started
-    assert per_run < 0.1, per_run
+    assert dist.pools_started == started  # no new processes (and so no new process group)
+    assert dist.run(_pid, 4, 2) == pids
 
 
 def _print(ctx):

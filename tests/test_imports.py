@@ -47,3 +47,14 @@ def test_deepspeed_initialize_is_wrapped_after_import_sdpq_whatever_the_order():
     for order in ("import deepspeed, sdpq", "import sdpq, deepspeed"):
         out = _python(f"{order}\nprint(hasattr(deepspeed.initialize, '__sdpq_original__'))")
         assert out.split()[-1] == "True", order
+
+
+def test_sdpq_config_imports_no_benchmark_and_no_torch_distributed(tmp_path):
+    """`sdpq config --check` is what users run on a login node: it must not import the benchmark
+    modules (their imports reach torch.distributed)."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": true}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, '
+                    '"sdpq": {"weights": {}}}')
+    out = _python(f"import sys\nfrom sdpq.cli import main\nassert main(['config', '--check', {str(path)!r}]) == 0\n"
+                  "print('RESULT', 'torch.distributed' in sys.modules, any(m.startswith('sdpq.bench.') for m in sys.modules))")
+    assert out.split()[-2:] == ["False", "False"], out

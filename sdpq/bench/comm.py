@@ -173,7 +173,7 @@ def _measure_layout(rank, nodes, rpn, opts, timeout) -> list[dict]:
             exact = torch.empty(C, dtype=torch.float64)
             reduce_scatter_flat(exact, x.double(), world)
             rec = CommStats()
-            rs = GradReduceScatter(numel, topo, GradientsConfig(), recorder=rec)
+            rs = GradReduceScatter(numel, topo, GradientsConfig(), record_to=rec)
             got = rs(x)
             rel = reduce_max(float((got.double() - exact).norm() / exact.norm()))
             secs = _seconds(lambda: rs(x), reps)
@@ -193,17 +193,17 @@ def _measure_layout(rank, nodes, rpn, opts, timeout) -> list[dict]:
             for mode in ("diff", "direct"):
                 rec = CommStats()
                 cfg = WeightsConfig(mode=mode, bits=4 if mode == "diff" else 8, group_size=2048 if mode == "diff" else 256)
-                wg = WeightGather(numel, topo, cfg, dtype=dtype, recorder=rec)
+                wg = WeightGather(numel, topo, cfg, dtype=dtype, record_to=rec)
                 for t, w in enumerate(walk):
                     if t == len(walk) - 1:
                         rec.reset()  # steady state: one difference refresh + one gather
-                    wg.mark_dirty()
+                    wg.mark_weights_changed()
                     got = wg(w.to(dtype))
                 stats = rec.as_dict()
                 rel = reduce_max(float((got.float() - true).norm() / true.norm()))
 
                 def step(wg=wg):
-                    wg.mark_dirty()
+                    wg.mark_weights_changed()
                     return wg(shard)
 
                 links = stats["weights"]

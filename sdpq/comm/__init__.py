@@ -3,12 +3,13 @@
 - `Topology.build(ranks_per_node)`: node layout and intra/inter-node groups (collective).
 - `WeightGather(numel, topology, WeightsConfig)`: "my shard -> full bucket" (diff/direct/exact).
 - `GradReduceScatter(numel, topology, GradientsConfig)`: "full bucket -> my chunk", SUM.
-- `stats`: bytes per link class and path, sampled errors; `summary()` -> (table, dict).
+- `stats`: bytes per link class and path, sampled errors (`CommStats`; read them through
+  `sdpq.stats`).
 """
 
 from . import stats
 from .grads import GradReduceScatter
-from .stats import CommStats, summary
+from .stats import CommStats
 from .topology import Topology, TopologyError
 from .weights import ReferenceMismatchWarning, WeightGather
 
@@ -20,5 +21,4 @@ __all__ = [
     "GradReduceScatter",
     "CommStats",
     "stats",
-    "summary",
 ]

@@ -29,7 +29,7 @@ import torch
 
 from ..config import GradientsConfig, StatsConfig
 from ..quant import QuantSpec
-from ..quant.groupwise import SCALE_DTYPES
+from ..quant.groupwise import SCALE_DTYPES, relative_error
 from ..quant.fused import decode_rows, encode_rows, poison_scales_, reduce_rows
 from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
@@ -45,21 +45,19 @@ __all__ = ["GradReduceScatter"]
 _NAN = float("nan")
 
 
-def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((approx - exact).norm() / exact.norm().clamp_min(1e-30))
-
-
 class GradReduceScatter:
     """Reduce-scatter (SUM) of one flat bucket. Every rank builds it with the same arguments
     and calls it collectively.
 
     numel: elements of the full input bucket; each rank gets `chunk_numel` = ceil(numel / N)
     (elements past the end of the bucket, on the last ranks, are returned as zeros).
+    stats / record_to: what to record (StatsConfig) and into which CommStats (default: the
+    process-wide one, sdpq.stats.of()).
     """
 
     def __init__(self, numel: int, topology: Topology, config: GradientsConfig | None = None, *,
                  device: torch.device | str | None = None, stats: StatsConfig | None = None,
-                 recorder: CommStats | None = None):
+                 record_to: CommStats | None = None):
         if numel < 1:
             raise ValueError(f"GradReduceScatter: numel must be positive, got {numel}")
         self.config = c = config or GradientsConfig()
@@ -96,7 +94,7 @@ class GradReduceScatter:
                                               "numel": numel, "layout": topo.layout}, topo.world_group)
         self.residual: torch.Tensor | None = None  # error feedback of the inter-node stage
         self.calls = 0
-        self._rec = Recorder(stats, recorder)
+        self._rec = Recorder(stats, record_to)
         self._gen: torch.Generator | None = None
 
     # ------------------------------------------------------------------ public API
@@ -213,7 +211,7 @@ class GradReduceScatter:
                 got = decode_rows(wire, self.intra_spec, nodes * S, torch.empty(L, nodes * S, device=x.device))
                 others = [k for k in range(L) if k != l]
                 self._rec.record_error("gradients", "intra",
-                                       _rel_err(got[others], seg[others].reshape(L - 1, nodes * S)))
+                                       relative_error(got[others], seg[others].reshape(L - 1, nodes * S)))
             with timing.span("comm.grads"):
                 recv, work = all_to_all_rows(wire, topo.intra_group, async_op=True)
             return own, recv, work, bad
@@ -250,7 +248,7 @@ class GradReduceScatter:
                         deq = torch.where(bad, _NAN, deq)
                         if sample:
                             others = [m for m in range(nodes) if m != node]
-                            self._rec.record_error("gradients", "inter", _rel_err(deq[others], P[others]))
+                            self._rec.record_error("gradients", "inter", relative_error(deq[others], P[others]))
                         if self.residual is not None:
                             res = P - deq
                             res[node] = 0  # own row is summed exactly

@@ -8,7 +8,10 @@ of the node are `intra`, the N-L others `inter`. Every byte of the wire buffer c
 padding and scales alike. `elements` counts the bucket elements those bytes carry (padding
 excluded), so bits_per_element = 8 * bytes / elements is what crossed the link per useful value.
 
-Counters are per process (per rank); `summary()` reports this rank's view.
+Counters are per process (per rank). Every collective records into one CommStats: the
+process-wide one (`process_stats()`) unless given another; the integrations give each model /
+engine its own, whose `parent` is the process-wide one, so two models in one process keep
+apart and the process-wide figures still sum everything.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..config import StatsConfig
 
-__all__ = ["CommStats", "Recorder", "LinkCounters", "default_recorder", "summary", "reset", "PATHS", "LINKS"]
+__all__ = ["CommStats", "Recorder", "LinkCounters", "process_stats", "summary", "reset", "PATHS", "LINKS"]
 
 PATHS = ("weights", "gradients")
 LINKS = ("intra", "inter")
@@ -54,12 +57,14 @@ class LinkCounters:
 
 @dataclass
 class CommStats:
-    """A recorder. Collective objects take one (default: the module-level recorder) and decide
-    with a `Recorder` (their StatsConfig) what to record; `config` here is the default for
-    objects created without a StatsConfig."""
+    """Counters of bytes, elements, calls and sampled errors per (path, link). Collective objects
+    record into one (default: `process_stats()`) and decide with a `Recorder` (their StatsConfig)
+    what to record; `config` here is the default for objects created without a StatsConfig.
+    Whatever is recorded here is also recorded into `parent` (if any)."""
 
     config: StatsConfig = field(default_factory=StatsConfig)
     counters: dict = field(default_factory=dict)
+    parent: CommStats | None = None
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -84,18 +89,23 @@ class CommStats:
             c.elements += int(elements)
             c.calls += calls
             c.baseline_bytes += int(baseline_bytes)
+        if self.parent is not None:
+            self.parent.record(path, link, bytes=bytes, elements=elements, baseline_bytes=baseline_bytes, calls=calls)
 
     def record_error(self, path: str, link: str, relative_error: float) -> None:
         with self._lock:
             c = self._get(path, link)
             if not math.isfinite(relative_error):
                 c.nonfinite_error_samples += 1  # a skipped (overflowing) step says nothing of accuracy
-                return
-            c.error_samples += 1
-            c.error_sum += relative_error
-            c.error_max = max(c.error_max, relative_error)
+            else:
+                c.error_samples += 1
+                c.error_sum += relative_error
+                c.error_max = max(c.error_max, relative_error)
+        if self.parent is not None:
+            self.parent.record_error(path, link, relative_error)
 
     def reset(self) -> None:
+        """Clear these counters (not the parent's)."""
         with self._lock:
             self.counters.clear()
 
@@ -151,13 +161,14 @@ class Recorder:
 _DEFAULT = CommStats()
 
 
-def default_recorder() -> CommStats:
-    """The process-wide recorder that collectives use unless given another."""
+def process_stats() -> CommStats:
+    """The process-wide counters: what collectives record into unless given others, and the
+    parent of every model's / engine's own."""
     return _DEFAULT
 
 
 def summary() -> tuple[str, dict]:
-    """(table, dict) of the process-wide recorder; `sdpq.stats.summary()` re-exports it."""
+    """(table, dict) of the process-wide counters (`sdpq.stats.summary()` with no target)."""
     return _DEFAULT.summary()
 
 

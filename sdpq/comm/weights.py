@@ -5,8 +5,8 @@ padded with zeros); rank r owns shard r. `gather(shard)` returns the full bucket
 
 Modes:
 - "diff": rank (n, l) keeps the node-resident reference R_l = shards {n' * L + l} (fp32 by
-  default). Once per weight version (`mark_dirty()`), the owner sends Q4(shard - R_l[n]) over the
-  inter-node group and every holder of R_l adds the dequantized differences; every gather is
+  default). Once per weight version (`mark_weights_changed()`), the owner sends
+  Q4(shard - R_l[n]) over the inter-node group and every holder of R_l adds the dequantized differences; every gather is
   then an intra-node all-gather of R_l in the compute dtype. Cross-node traffic: ~4 bits per
   element once per step instead of 16 bits per gather.
 - "direct": int8 of the weights themselves, all-gathered over the world on every call (stateless).
@@ -26,7 +26,7 @@ import torch
 
 from ..config import StatsConfig, WeightsConfig
 from ..quant import QuantSpec
-from ..quant.groupwise import SCALE_DTYPES
+from ..quant.groupwise import SCALE_DTYPES, relative_error
 from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
 from . import timing
 from .agreement import check_agreement
@@ -57,13 +57,14 @@ class WeightGather:
 
     numel: elements of the full bucket. dtype: the compute dtype of the gathered output
     (default fp32). reference_dtype: storage of R_l in diff mode (fp32, or bf16 to halve it).
-    stats / recorder: what to record (StatsConfig) and where (default: sdpq.stats's recorder).
+    stats / record_to: what to record (StatsConfig) and into which CommStats (default: the
+    process-wide one, sdpq.stats.of()).
     """
 
     def __init__(self, numel: int, topology: Topology, config: WeightsConfig | None = None, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  reference_dtype: torch.dtype = torch.float32, stats: StatsConfig | None = None,
-                 recorder: CommStats | None = None):
+                 record_to: CommStats | None = None):
         if numel < 1:
             raise ValueError(f"WeightGather: numel must be positive, got {numel}")
         self.config = config or WeightsConfig()
@@ -88,16 +89,16 @@ class WeightGather:
         self.version = 0  # refreshes done
         self.calls = 0  # gathers done
         self._force_exact = False
-        self._rec = Recorder(stats, recorder)
+        self._rec = Recorder(stats, record_to)
         self._gen: torch.Generator | None = None
 
     # ------------------------------------------------------------------ public API
 
-    def mark_dirty(self, resync: bool = False) -> None:
+    def mark_weights_changed(self, exact: bool = False) -> None:
         """The weights changed (optimizer step, checkpoint load, a manual edit): the next gather
-        refreshes the reference. `resync=True` makes that refresh exact. Call on every rank."""
+        refreshes the reference. `exact=True` makes that refresh exact. Call on every rank."""
         self.dirty = True
-        self._force_exact = self._force_exact or resync
+        self._force_exact = self._force_exact or exact
 
     def gather(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's shard (any float dtype, <= shard_numel elements) -> the full bucket
@@ -212,8 +213,7 @@ class WeightGather:
                 self._exchange_diff(w)
         if self._rec.sample_due(self.version):
             own = self.reference[topo.node].float()
-            self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra",
-                                   float((own - w).norm() / w.norm().clamp_min(1e-30)))
+            self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra", relative_error(own, w))
         self.version += 1
         self.dirty = False
 
@@ -309,8 +309,7 @@ class WeightGather:
         self._record_world(row.numel(), dtype.itemsize)
         if self._rec.sample_due(self.calls):
             own = full[topo.rank]
-            self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra",
-                                   float((own - w).norm() / w.norm().clamp_min(1e-30)))
+            self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra", relative_error(own, w))
         return full.to(dtype).reshape(-1)
 
     def _gather_exact(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

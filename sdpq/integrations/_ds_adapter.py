@@ -17,7 +17,7 @@ What is patched, and why there (DeepSpeed 0.19.8):
   optimizer step writes the partitions, before `_post_step` re-gathers the persistent ones),
   `param.partition(has_been_updated=True)` (GatheredParameters(modifier_rank=...) and other
   edits outside training: exact resync), and `engine.load_checkpoint` (saved references are
-  restored, or everything resyncs exactly). `DeepSpeedAdapter.mark_weights_dirty()` covers
+  restored, or everything resyncs exactly). `DeepSpeedAdapter.mark_weights_changed()` covers
   edits DeepSpeed does not see (writing into `ds_tensor` directly).
 - gradients: `stage3.reduce_scatter_coalesced` is the module-level name `__avg_scatter_grads`
   calls; it is replaced by a dispatcher that uses sdpq while this engine's
@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from ..comm import GradReduceScatter, Topology, WeightGather
+from ..comm import CommStats, GradReduceScatter, Topology, WeightGather
 from ..comm.agreement import check_agreement
-from ..comm import stats as _stats
+from ..comm.stats import process_stats
 from ..config import Config
 from ._ds_checkpoint import STATE_FILE, CheckpointMixin
 from ._ds_monitor import install_monitor
@@ -100,11 +100,12 @@ class DeepSpeedAdapter(CheckpointMixin):
     Its checkpoint methods (``state_dict``, ``load_state_dict``) are in _ds_checkpoint.py.
     """
 
-    def __init__(self, engine, config: Config, ranks_per_node: int, recorder: _stats.CommStats | None = None):
+    def __init__(self, engine, config: Config, ranks_per_node: int):
         self.engine = engine
         self.config = config
         self.optimizer = engine.optimizer
-        self.recorder = recorder if recorder is not None else _stats.default_recorder()
+        # This engine's counters (sdpq.stats.of(engine)); the process-wide ones get every record too.
+        self.stats = CommStats(config=config.stats, parent=process_stats())
         self.topology = Topology.build(ranks_per_node)
         check_agreement("sdpq.deepspeed.initialize", {"config": config.to_dict(), "layout": self.topology.layout},
                         self.topology.world_group)
@@ -129,17 +130,13 @@ class DeepSpeedAdapter(CheckpointMixin):
 
     # ------------------------------------------------------------------ public API
 
-    def mark_weights_dirty(self, params=None, resync: bool = True) -> None:
+    def mark_weights_changed(self, params=None, *, exact: bool = True) -> None:
         """The partitions of `params` (default: all) changed outside DeepSpeed's view: their next
-        gather refreshes the reference (exactly when `resync`). Call on every rank."""
+        gather refreshes the reference (exactly when `exact`). Call on every rank."""
         for p in (self.params.values() if params is None else params):
             wg = self.weights.get(p.ds_id)
             if wg is not None:
-                wg.mark_dirty(resync=resync)
-
-    def summary(self) -> tuple[str, dict]:
-        """(table, dict) of the communication statistics this engine's collectives recorded."""
-        return self.recorder.summary()
+                wg.mark_weights_changed(exact=exact)
 
     def remove(self) -> None:
         """Undo every hook (DeepSpeed behaves as if sdpq was never installed). Idempotent."""
@@ -179,7 +176,7 @@ class DeepSpeedAdapter(CheckpointMixin):
             if cap < wcfg.group_size:
                 wcfg = dataclasses.replace(wcfg, group_size=cap)
             wg = WeightGather(p.ds_numel, self.topology, wcfg, dtype=p.ds_tensor.dtype,
-                              device=p.ds_tensor.device, stats=self.config.stats, recorder=self.recorder)
+                              device=p.ds_tensor.device, stats=self.config.stats, record_to=self.stats)
             if wg.shard_numel != p.ds_tensor.ds_numel:
                 raise RuntimeError(f"sdpq: parameter ds_id={p.ds_id} has ZeRO partitions of {p.ds_tensor.ds_numel} "
                                    f"elements, sdpq expected {wg.shard_numel}")
@@ -234,7 +231,7 @@ class DeepSpeedAdapter(CheckpointMixin):
         bound = dict(zip(names, args), **kwargs)
         if bound.get("has_been_updated"):
             plist = bound.get("param_list") or [owner]
-            self.mark_weights_dirty(plist, resync=True)
+            self.mark_weights_changed(plist, exact=True)
         return ret
 
     def _install_weights(self) -> None:
@@ -260,7 +257,7 @@ class DeepSpeedAdapter(CheckpointMixin):
         def reassign(sub_group_id, *a, **kw):
             ret = orig_reassign(sub_group_id, *a, **kw)
             # The step just wrote these partitions; _post_step re-gathers the persistent ones next.
-            self.mark_weights_dirty(opt.fp16_groups[sub_group_id], resync=False)
+            self.mark_weights_changed(opt.fp16_groups[sub_group_id], exact=False)
             return ret
 
         opt._reassign_or_swap_out_partitioned_parameters = reassign
@@ -277,7 +274,7 @@ class DeepSpeedAdapter(CheckpointMixin):
             # must live where the gradients are (CUDA on a GPU cluster).
             device = self.params[key[0][0]].ds_tensor.device
             grs = GradReduceScatter(numel, self.topology, self.config.gradients, device=device,
-                                    stats=self.config.stats, recorder=self.recorder)
+                                    stats=self.config.stats, record_to=self.stats)
             self.grads[key] = grs
         return grs
 

@@ -27,7 +27,7 @@ _FORMAT = 1
 class CheckpointMixin:
     """The checkpoint half of DeepSpeedAdapter. Uses the adapter's topology, config, params,
     weights, grads, _index / _ds_id (ds_id <-> position), _weight_gather, _grad_rs,
-    mark_weights_dirty and _regather_available."""
+    mark_weights_changed and _regather_available."""
 
     def state_dict(self) -> dict:
         """Per-rank sdpq state: weight references (+ dirty flags), gradient error feedback and
@@ -50,7 +50,7 @@ class CheckpointMixin:
             self._weight_gather(self.params[self._ds_id[n]]).load_state_dict(s)
             restored.add(self._ds_id[n])
         # References this process built that the checkpoint does not know: resync them.
-        self.mark_weights_dirty([self.params[i] for i in self.weights if i not in restored], resync=True)
+        self.mark_weights_changed([self.params[i] for i in self.weights if i not in restored], exact=True)
         keys = set()
         for (idx, numels), s in state["grads"].items():
             key = (tuple(self._ds_id[n] for n in idx), tuple(numels))
@@ -86,7 +86,7 @@ class CheckpointMixin:
                               "error-feedback residuals restart from zero", RuntimeWarning, stacklevel=4)
             for grs in self.grads.values():
                 grs.reset_error_feedback()
-            self.mark_weights_dirty(resync=True)
+            self.mark_weights_changed(exact=True)
         self._regather_available()
 
     def _incompatible(self, state: dict) -> str | None:

@@ -43,7 +43,7 @@ def install_monitor(adapter) -> None:
         boundary = eng.is_gradient_accumulation_boundary()
         out = orig_step(*args, **kwargs)
         if boundary and eng.global_rank == 0:
-            now = adapter.recorder.as_dict()
+            now = adapter.stats.as_dict()
             monitor.write_events(step_events(now, last, eng.global_samples, int(getattr(eng, "skipped_steps", 0))))
             last.clear()
             last.update(now)

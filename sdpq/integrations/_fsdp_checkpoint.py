@@ -148,7 +148,7 @@ def _rebuild(model: nn.Module, why: str) -> None:
                       "the weight references are refreshed exactly at the first gather and the error-feedback "
                       "residuals restart from zero", ResumeLayoutWarning, stacklevel=3)
     for c in applied(model).comms:
-        c.weights.mark_dirty(resync=True)
+        c.weights.mark_weights_changed(exact=True)
         for rs in c.gradients.values():
             rs.reset_error_feedback()
 

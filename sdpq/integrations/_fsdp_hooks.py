@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import GradReduceScatter, Topology, TopologyError, WeightGather
+from ..comm import CommStats, GradReduceScatter, Topology, TopologyError, WeightGather
 from ..config import Config
 
 try:  # FSDP2's comm interfaces (private module; the public methods take instances of these)
@@ -48,6 +48,7 @@ class ModuleComms:
     topology: Topology = field(repr=False)
     config: Config = field(repr=False)
     weights: WeightGather = field(repr=False)
+    stats: CommStats = field(repr=False)  # the model's counters, shared by its modules
     gradients: dict = field(default_factory=dict, repr=False)  # reduce-scatter numel -> GradReduceScatter
     gather_input_numel: int = 0
     grad_numel: int = 0  # reduce-scatter numel when every trainable parameter has a gradient
@@ -59,7 +60,7 @@ class ModuleComms:
         rs = self.gradients.get(numel)
         if rs is None:
             rs = GradReduceScatter(numel, self.topology, self.config.gradients, device=self.param_group.device,
-                                   stats=self.config.stats)
+                                   stats=self.config.stats, record_to=self.stats)
             self.gradients[numel] = rs
         return rs
 
@@ -148,6 +149,7 @@ class Applied:
     config: Config
     comms: list  # ModuleComms, in model.named_modules() order
     hooks: list  # optimizer hook handles
+    stats: CommStats  # this model's counters (sdpq.stats.of(model)); parent: the process-wide ones
     # Set by state_dict(model, checkpoint_id=...) when that checkpoint holds sdpq state of another
     # layout: the next load_state_dict rebuilds it instead of reading it.
     relayout_from: str | None = None

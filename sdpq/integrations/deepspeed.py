@@ -17,7 +17,7 @@ A section left out of the block takes its defaults (the full method); switch a p
 ``"weights": {"mode": "exact"}``, ``"gradients": {"mode": "exact"}``,
 ``"optimizer": {"enabled": false}``. Only ZeRO stage 3 is supported: a block with stage 0-2
 is an error (``IncompatibleConfigError``). ``engine.sdpq`` is the installed
-``DeepSpeedAdapter`` (statistics, ``mark_weights_dirty``, ``remove``); ``save_checkpoint`` /
+``DeepSpeedAdapter`` (statistics, ``mark_weights_changed``, ``remove``); ``save_checkpoint`` /
 ``load_checkpoint`` also save / restore sdpq's per-rank state (``sdpq_rank*.pt`` in the tag
 directory), so a resumed run continues bit for bit.
 """

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QuantSpec", "Quantized", "quantize", "dequantize", "nonfinite_groups", "SCALE_DTYPES"]
+__all__ = ["QuantSpec", "Quantized", "quantize", "dequantize", "nonfinite_groups", "relative_error", "SCALE_DTYPES"]
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # The wire scale formats by their configuration names.
@@ -137,3 +137,9 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
 def nonfinite_groups(q: Quantized) -> torch.Tensor:
     """Bool mask [..., groups]: groups whose input held inf or NaN."""
     return ~torch.isfinite(q.scales)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx - exact|| / ||exact|| (an all-zero `exact` divides by 1e-30): the error figure
+    that sdpq's statistics report for every quantized path."""
+    return float((approx - exact).norm() / exact.norm().clamp_min(1e-30))

@@ -15,7 +15,7 @@ IDS = [f"{n}x{l}" for n, l in LAYOUTS]
 def _rs_case(ctx, numel, cfg_kwargs, kind, seed):
     topo = Topology.build(ctx.ranks_per_node)
     rec = CommStats()
-    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), recorder=rec)
+    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), record_to=rec)
     inputs = all_inputs(ctx.world_size, numel, kind, seed)
     out = rs(inputs[ctx.rank].clone())
     exact = exact_chunk(inputs, ctx.rank)
@@ -53,7 +53,7 @@ def test_any_bucket_length(dist, numel):
 
 def _exact_vs_plain(ctx, numel, kind):
     topo = Topology.build(ctx.ranks_per_node)
-    rs = GradReduceScatter(numel, topo, GradientsConfig(mode="exact"), recorder=CommStats())
+    rs = GradReduceScatter(numel, topo, GradientsConfig(mode="exact"), record_to=CommStats())
     inputs = all_inputs(ctx.world_size, numel, kind, 3)
     out = rs(inputs[ctx.rank].clone())
     plain = torch.empty(numel // ctx.world_size)
@@ -76,7 +76,7 @@ def _pipeline_equivalence(ctx, numel):
     outs = []
     for k in (1, 4):
         cfg = GradientsConfig(rounding="nearest", pipeline_chunks=k)
-        outs.append(GradReduceScatter(numel, topo, cfg, recorder=CommStats())(x.clone()))
+        outs.append(GradReduceScatter(numel, topo, cfg, record_to=CommStats())(x.clone()))
     return outs
 
 
@@ -106,7 +106,7 @@ def test_hadamard_cuts_error_on_heavy_tails(dist, kind):
 
 def _error_feedback(ctx, numel, steps, ef):
     topo = Topology.build(ctx.ranks_per_node)
-    rs = GradReduceScatter(numel, topo, GradientsConfig(error_feedback=ef), recorder=CommStats())
+    rs = GradReduceScatter(numel, topo, GradientsConfig(error_feedback=ef), record_to=CommStats())
     acc_out = torch.zeros(rs.chunk_numel, dtype=torch.float64)
     acc_exact = torch.zeros(rs.chunk_numel, dtype=torch.float64)
     for t in range(steps):
@@ -139,7 +139,7 @@ def test_wire_bits_per_element(dist, nodes, rpn):
 
 def _nonfinite(ctx, numel, cfg_kwargs, value, bad_rank, steps):
     topo = Topology.build(ctx.ranks_per_node)
-    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), recorder=CommStats())
+    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), record_to=CommStats())
     outs = []
     for t in range(steps):
         x = all_inputs(ctx.world_size, numel, "normal", 8)[ctx.rank].clone()
@@ -176,7 +176,7 @@ def test_every_scale_format_keeps_tiny_and_huge_gradients(dist, scale_dtype, kin
 def _huge_values(ctx, numel, cfg_kwargs):
     """Rank 0 holds finite values near the fp32 max (others ordinary ones); the sum is finite."""
     topo = Topology.build(ctx.ranks_per_node)
-    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), recorder=CommStats())
+    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), record_to=CommStats())
     inputs = all_inputs(ctx.world_size, numel, "normal", 5)
     big = inputs[0]
     big[:4096] = 3e37  # 4096 equal values: an unnormalized butterfly's sums reach 128 * 3e37

@@ -74,15 +74,15 @@ def test_clear_errors_on_every_rank(dist, case, needle):
 def _stats_default(ctx):
     stats.reset()
     topo = Topology.build(ctx.ranks_per_node)
-    wg = WeightGather(4 * 4096, topo, WeightsConfig())  # default recorder
+    wg = WeightGather(4 * 4096, topo, WeightsConfig())  # the process-wide counters
     rs = GradReduceScatter(4 * 4096, topo, GradientsConfig(), stats=StatsConfig(error_sample_every=1))
     x = torch.randn(4 * 4096)
     for _ in range(3):
-        wg.mark_dirty()
+        wg.mark_weights_changed()
         wg(x[ctx.rank * 4096:(ctx.rank + 1) * 4096])
         rs(x)
     off = CommStats()
-    GradReduceScatter(4096, topo, GradientsConfig(), stats=StatsConfig(enabled=False), recorder=off)(x[:4096])
+    GradReduceScatter(4096, topo, GradientsConfig(), stats=StatsConfig(enabled=False), record_to=off)(x[:4096])
     table, data = stats.summary()
     return table, data, off.as_dict()
 

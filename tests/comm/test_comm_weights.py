@@ -43,13 +43,13 @@ def _gather_walk(ctx, numel, cfg_kwargs, steps, lr, dtype):
     topo = Topology.build(ctx.ranks_per_node)
     rec = CommStats()
     cfg = WeightsConfig(**cfg_kwargs)
-    wg = WeightGather(numel, topo, cfg, dtype=dtype, recorder=rec)
+    wg = WeightGather(numel, topo, cfg, dtype=dtype, record_to=rec)
     C, N = wg.shard_numel, ctx.world_size
     digests, errs, step_ratios, exact = [], [], [], []
     prev = None
     for t, w in enumerate(_walk(numel, steps, lr)):
         if t > 0:
-            wg.mark_dirty()  # an optimizer step changed the weights
+            wg.mark_weights_changed()  # an optimizer step changed the weights
         if t == 1:
             rec.reset()  # steady state: the first refresh is an exact exchange
         out = wg(_shard(w, ctx.rank, C).to(dtype))
@@ -117,11 +117,11 @@ def _save_restore(ctx, numel, save_at, steps, rounding="nearest", mode="diff"):
     topo = Topology.build(ctx.ranks_per_node)
     cfg = WeightsConfig(verify_every=4, rounding=rounding, mode=mode, bits=4 if mode == "diff" else 8)
     ws = _walk(numel, steps, 1e-3)
-    wg = WeightGather(numel, topo, cfg, recorder=CommStats())
+    wg = WeightGather(numel, topo, cfg, record_to=CommStats())
     C = wg.shard_numel
     ref_digests, saved = [], None
     for t, w in enumerate(ws):
-        wg.mark_dirty()
+        wg.mark_weights_changed()
         out = wg(_shard(w, ctx.rank, C))
         if t == save_at:
             buf = io.BytesIO()
@@ -129,10 +129,10 @@ def _save_restore(ctx, numel, save_at, steps, rounding="nearest", mode="diff"):
             saved = buf.getvalue()
         if t > save_at:
             ref_digests.append(_digest(out))
-    restored = WeightGather(numel, topo, cfg, recorder=CommStats())
+    restored = WeightGather(numel, topo, cfg, record_to=CommStats())
     restored.load_state_dict(torch.load(io.BytesIO(saved)))
     digests = [_digest(restored(_shard(w, ctx.rank, C))) for w in ws[save_at + 1:]
-               if restored.mark_dirty() is None]
+               if restored.mark_weights_changed() is None]
     return ref_digests, digests
 
 
@@ -151,11 +151,11 @@ def test_direct_stochastic_stream_survives_save_restore(dist):
 
 def _corrupt(ctx, numel, verify_every, corrupt_at, steps):
     topo = Topology.build(ctx.ranks_per_node)
-    wg = WeightGather(numel, topo, WeightsConfig(verify_every=verify_every), recorder=CommStats())
+    wg = WeightGather(numel, topo, WeightsConfig(verify_every=verify_every), record_to=CommStats())
     C = wg.shard_numel
     digests, warned, errs = [], [], []
     for t, w in enumerate(_walk(numel, steps, 1e-3)):
-        wg.mark_dirty()
+        wg.mark_weights_changed()
         if t == corrupt_at and ctx.rank == 1:
             wg.reference[0, 7] += 0.5  # rank 1's copy of R_1 no longer matches node 0's
         with warnings.catch_warnings(record=True) as caught:
@@ -186,7 +186,7 @@ def _aliasing(ctx, numel):
     outs = []
     for mode in ("diff", "direct", "exact"):
         wg = WeightGather(numel, topo, WeightsConfig(mode=mode, bits=8 if mode == "direct" else 4),
-                          recorder=CommStats())
+                          record_to=CommStats())
         w = _walk(numel, 1, 0.0)[0]
         C = wg.shard_numel
         out = torch.empty(wg.padded_numel)
