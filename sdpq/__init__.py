@@ -2,7 +2,8 @@
 
 Public surface: ``sdpq.Config`` (and ``ConfigError``), ``sdpq.stats``, the sub-packages
 ``sdpq.quant`` (math), ``sdpq.comm`` (collectives), ``sdpq.optim`` (compressed AdamW) and the
-integrations ``sdpq.fsdp`` / ``sdpq.deepspeed`` (imported lazily: each pulls in its framework).
+integrations ``sdpq.fsdp`` / ``sdpq.deepspeed`` / ``sdpq.hf`` (imported lazily: each pulls in its
+framework). docs/api.md lists what each exports.
 """
 
 import importlib
@@ -11,7 +12,7 @@ from ._version import __version__
 from .config import Config, ConfigError
 from .integrations import _ds_hook
 
-__all__ = ["Config", "ConfigError", "stats", "quant", "comm", "optim", "fsdp", "deepspeed", "__version__"]
+__all__ = ["Config", "ConfigError", "stats", "quant", "comm", "optim", "fsdp", "deepspeed", "hf", "__version__"]
 
 _LAZY = {
     "stats": "sdpq.stats",

@@ -38,8 +38,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         json.dump(records, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        print_table(records, title=getattr(module, "TITLE", f"sdpq bench {args.bench}"),
-                    columns=getattr(module, "COLUMNS", None))
+        print_table(
+            records,
+            title=getattr(module, "TITLE", f"sdpq bench {args.bench}"),
+            columns=getattr(module, "COLUMNS", None),
+        )
     return 0
 
 
@@ -76,6 +79,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser. Given `argv`, only the chosen sub-command's module is imported to add its
     arguments (the others get a bare entry), so that e.g. `sdpq config` imports no benchmark,
     launcher or torch.distributed; without `argv` (or for a top-level --help) every module is."""
+    argv = argv or []
     chosen = argv[0] if argv and not argv[0].startswith("-") else None
     bench_chosen = argv[1] if chosen == "bench" and len(argv) > 1 and not argv[1].startswith("-") else None
 
@@ -96,7 +100,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             importlib.import_module(module).add_arguments(p)
         p.set_defaults(func=_run_bench)
 
-    cl = sub.add_parser("cluster", help="run a torchrun job on an emulated K-node cluster (network namespaces, shaped link)")
+    cl = sub.add_parser(
+        "cluster", help="run a torchrun job on an emulated K-node cluster (network namespaces, shaped link)"
+    )
     if full("cluster"):
         from .launch import emulated
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 __all__ = [
     "Config",
@@ -68,6 +69,7 @@ def _check_power_of_two(path: str, value: Any, lo: int, hi: int) -> None:
         _fail(path, value, f"a power of two in [{lo}, {hi}]")
 
 
+@dataclass(frozen=True)
 class _Section:
     """Base of every section: strict from_dict/to_dict and path-aware validation.
 
@@ -91,9 +93,7 @@ class _Section:
             if get_origin(hint) is Literal:
                 _check_choice(f"{path}.{f.name}", value, get_args(hint))
             elif hint is bool and not isinstance(value, bool):
-                raise ConfigError(
-                    f"{path}.{f.name}: expected true or false, got {type(value).__name__} {value!r}"
-                )
+                raise ConfigError(f"{path}.{f.name}: expected true or false, got {type(value).__name__} {value!r}")
 
     def _validate(self, path: str) -> None:  # range checks of a section; default: none
         pass
@@ -116,6 +116,10 @@ class _Section:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Wire formats of the group scales (both sections; sdpq.quant.groupwise.SCALE_DTYPES maps them).
+ScaleFormat = Literal["fp32", "bf16"]
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ class WeightsConfig(_Section):
     bits: int = 4
     group_size: int = 2048
     rounding: Literal["nearest", "stochastic"] = "nearest"
-    scale_dtype: Literal["fp32", "bf16"] = "fp32"
+    scale_dtype: ScaleFormat = "fp32"
     resync_every: int = 0
     verify_every: int = 100
 
@@ -187,7 +191,7 @@ class GradientsConfig(_Section):
     hadamard: bool = True
     hadamard_block: int = 128
     rounding: Literal["stochastic", "nearest"] = "stochastic"
-    scale_dtype: Literal["fp32", "bf16"] = "fp32"
+    scale_dtype: ScaleFormat = "fp32"
     error_feedback: bool = False
     pipeline_chunks: int = 1
     seed: int = 0
@@ -200,6 +204,12 @@ class GradientsConfig(_Section):
         _check_power_of_two(f"{path}.hadamard_block", self.hadamard_block, 2, 1 << 16)
         _check_int(f"{path}.pipeline_chunks", self.pipeline_chunks, 1, 64)
         _check_int(f"{path}.seed", self.seed, 0, 2**63 - 1)
+
+
+# The AdamW choices, defined here once (sdpq.optim.AdamW validates against the same lists).
+OptimizerStates = Literal["fp8", "bf16", "fp32"]
+MasterWeights = Literal["mcf", "native"]
+SecondMomentFormat = Literal["e4m3", "e5m2"]
 
 
 @dataclass(frozen=True)
@@ -215,11 +225,21 @@ class OptimizerConfig(_Section):
     """
 
     enabled: bool = True
-    states: Literal["fp8", "bf16", "fp32"] = "fp8"
-    master: Literal["mcf", "native"] = "mcf"
+    states: OptimizerStates = "fp8"
+    master: MasterWeights = "mcf"
     mcf_second_moment: bool = False
     group_size: int = 128
-    v_format: Literal["e4m3", "e5m2"] = "e4m3"
+    v_format: SecondMomentFormat = "e4m3"
+
+    def adamw_options(self) -> dict[str, Any]:
+        """The sdpq.optim.AdamW keyword arguments this section sets (no hyperparameters)."""
+        return {
+            "states": self.states,
+            "master": self.master,
+            "mcf_second_moment": self.mcf_second_moment,
+            "group_size": self.group_size,
+            "v_format": self.v_format,
+        }
 
     def _validate(self, path: str) -> None:
         _check_power_of_two(f"{path}.group_size", self.group_size, 16, 1 << 16)
@@ -229,11 +249,12 @@ class OptimizerConfig(_Section):
 class TopologyConfig(_Section):
     """How ranks map to nodes.
 
-    ranks_per_node: "auto" reads the launcher's LOCAL_WORLD_SIZE; an integer simulates nodes
-        on one machine (rank r is on node r // ranks_per_node). The world size must divide by it.
+    ranks_per_node: "auto" reads what the launcher sets (LOCAL_WORLD_SIZE of torchrun, LOCAL_SIZE
+        of the deepspeed launcher, Open MPI's, MPICH's or srun's); an integer simulates nodes on
+        one machine (rank r is on node r // ranks_per_node). The world size must divide by it.
     """
 
-    ranks_per_node: Union[int, Literal["auto"]] = "auto"
+    ranks_per_node: int | Literal["auto"] = "auto"
 
     def _check_types(self, path: str) -> None:
         if self.ranks_per_node != "auto":
@@ -256,7 +277,7 @@ class StatsConfig(_Section):
         _check_int(f"{path}.error_sample_every", self.error_sample_every, 0)
 
 
-_SECTIONS = {
+_SECTIONS: dict[str, type[_Section]] = {
     "weights": WeightsConfig,
     "gradients": GradientsConfig,
     "optimizer": OptimizerConfig,
@@ -281,7 +302,7 @@ class Config:
                 raise ConfigError(f"{ROOT}.{name}: expected {cls.__name__}, got {getattr(self, name)!r}")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "Config":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Config:
         if d is None:
             return cls()
         if not isinstance(d, Mapping):
@@ -292,7 +313,7 @@ class Config:
         return cls(**{k: _SECTIONS[k].from_dict(v) for k, v in d.items()})
 
     @classmethod
-    def from_deepspeed(cls, ds_config: str | os.PathLike | Mapping[str, Any]) -> "Config | None":
+    def from_deepspeed(cls, ds_config: str | os.PathLike | Mapping[str, Any]) -> Config | None:
         """The top-level ``"sdpq"`` block of a DeepSpeed config (path or dict); None = plain DeepSpeed.
 
         No other key of the DeepSpeed config is read: DeepSpeed validates its own keys.
@@ -312,7 +333,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name).to_dict() for name in _SECTIONS}
 
-    def replace(self, **sections: Mapping[str, Any]) -> "Config":
+    def replace(self, **sections: Mapping[str, Any]) -> Config:
         """A copy with some options changed: ``cfg.replace(weights={"mode": "exact"})``."""
         d = self.to_dict()
         for name, changes in sections.items():

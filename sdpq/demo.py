@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ __all__ = ["add_arguments", "main", "ARMS", "DEFAULT_ARMS", "PAIRS", "Arm", "arm
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
 # The library's defaults, spelled out (an empty block would mean plain DeepSpeed): 4-bit weight
 # differences, 8/4-bit gradients with Hadamard, FP8 states + MCF master (which needs bf16).
-FULL = {section: {} for section in ("weights", "gradients", "optimizer")}
+FULL: dict[str, dict] = {section: {} for section in ("weights", "gradients", "optimizer")}
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ class Arm:
     precision: str  # shown in the table
 
     def train_args(self) -> list[str]:
-        return (["--bf16"] if self.bf16 else []) + (["--mixed-precision", self.mixed_precision]
-                                                    if self.mixed_precision else [])
+        return (["--bf16"] if self.bf16 else []) + (
+            ["--mixed-precision", self.mixed_precision] if self.mixed_precision else []
+        )
 
 
 # Baselines: bf16 mixed precision as users run it. The sdpq arms compute with the same policy
@@ -83,23 +85,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="directory for results.json and loss.png")
     p.add_argument("--steps", type=int, default=60)
     add_job_arguments(p)
-    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS,
-                   help="default: the two bf16 baselines and their sdpq arms; fsdp2-fp32 / zero3-fp32 add fp32 "
-                        "runs as context")
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        choices=list(ARMS),
+        default=DEFAULT_ARMS,
+        help="default: the two bf16 baselines and their sdpq arms; fsdp2-fp32 / zero3-fp32 add fp32 runs as context",
+    )
     p.add_argument("--tail", type=int, default=10, help="final loss = mean of the last N steps")
 
 
-def arm_command(name: str, args: argparse.Namespace, out: Path, *, block: dict | None | str = "arm",
-                extra: list[str] = ()) -> list[str]:
+def arm_command(
+    name: str, args: argparse.Namespace, out: Path, *, block: dict | None | str = "arm", extra: Sequence[str] = ()
+) -> list[str]:
     """The torchrun command line of arm `name` (its result goes to out/NAME.json). `args` holds the
     demo's model and layout options; block: the sdpq block ("arm" = the arm's own, None = no block,
     i.e. the plain framework); extra: more python -m sdpq.train arguments."""
     arm = ARMS[name]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-           "-m", "sdpq.train", "--backend", arm.backend, "--steps", str(args.steps), "--d-model", str(args.d_model),
-           "--n-layer", str(args.n_layer), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-           "--lr", str(args.lr), "--ranks-per-node", str(args.ranks_per_node), "--log-every", "1",
-           "--out", str(out / f"{name}.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.ranks}",
+        "-m",
+        "sdpq.train",
+        "--backend",
+        arm.backend,
+        "--steps",
+        str(args.steps),
+        "--d-model",
+        str(args.d_model),
+        "--n-layer",
+        str(args.n_layer),
+        "--seq-len",
+        str(args.seq_len),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--lr",
+        str(args.lr),
+        "--ranks-per-node",
+        str(args.ranks_per_node),
+        "--log-every",
+        "1",
+        "--out",
+        str(out / f"{name}.json"),
+    ]
     block = arm.sdpq if block == "arm" else block
     if block is not None:
         cfg = out / f"{name}.sdpq.json"
@@ -113,6 +144,7 @@ def _run_arm(name: str, args: argparse.Namespace, out: Path, progress: Progress,
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log = (out / f"{name}.log").open("w", buffering=1)  # line-buffered: `tail -f` works
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
         log.write(line)
         m = _STEP.match(line)
@@ -127,13 +159,23 @@ def _run_arm(name: str, args: argparse.Namespace, out: Path, progress: Progress,
 def _record(name: str, r: dict, tail: int) -> dict:
     losses = r["losses"]
     comm = r.get("comm", {}).get("total", {})
-    bits = {f"{path}_{link}_bits": v.get("bits_per_element") for path, links in comm.items()
-            for link, v in links.items() if isinstance(v, dict) and v.get("bits_per_element") is not None}
-    return dict(arm=name, precision=ARMS[name].precision, final_loss=sum(losses[-tail:]) / len(losses[-tail:]),
-                val_loss=r["val_loss"],
-                cross_node_bytes_per_step=r["cross_node_bytes_per_step"],
-                optimizer_bytes_per_param=r["optimizer_bytes_per_param"], step_seconds=r["step_seconds"],
-                **bits, losses=losses)
+    bits = {
+        f"{path}_{link}_bits": v.get("bits_per_element")
+        for path, links in comm.items()
+        for link, v in links.items()
+        if isinstance(v, dict) and v.get("bits_per_element") is not None
+    }
+    return dict(
+        arm=name,
+        precision=ARMS[name].precision,
+        final_loss=sum(losses[-tail:]) / len(losses[-tail:]),
+        val_loss=r["val_loss"],
+        cross_node_bytes_per_step=r["cross_node_bytes_per_step"],
+        optimizer_bytes_per_param=r["optimizer_bytes_per_param"],
+        step_seconds=r["step_seconds"],
+        **bits,
+        losses=losses,
+    )
 
 
 def _plot(records: list[dict], path: Path) -> None:
@@ -157,8 +199,15 @@ def _plot(records: list[dict], path: Path) -> None:
 
 def _table(records: list[dict], console: Console) -> None:
     t = Table(title="sdpq demo (train loss = mean of the last steps; bytes and bits from sdpq.stats)")
-    cols = ["arm", "precision", "final_loss", "val_loss", "cross_node_bytes_per_step", "optimizer_bytes_per_param",
-            "step_seconds"]
+    cols = [
+        "arm",
+        "precision",
+        "final_loss",
+        "val_loss",
+        "cross_node_bytes_per_step",
+        "optimizer_bytes_per_param",
+        "step_seconds",
+    ]
     heads = ["arm", "precision", "train loss", "val loss", "cross-node B/step", "optim B/param", "s/step"]
     extra = sorted({k for r in records for k in r if k.endswith("_bits")})
     for c, h in zip(cols + extra, heads + [e.removesuffix("_bits").replace("_", " ") + " bits" for e in extra]):
@@ -172,9 +221,11 @@ def _table(records: list[dict], console: Console) -> None:
         def r(key: str) -> float:
             return o[key] / b[key] if b[key] else float("nan")
 
-        return (f"cross-node bytes ratio {r('cross_node_bytes_per_step'):.3f}, step time ratio "
-                f"{r('step_seconds'):.2f}, optimizer bytes/param {o['optimizer_bytes_per_param']:.2f} vs "
-                f"{b['optimizer_bytes_per_param']:.2f}")
+        return (
+            f"cross-node bytes ratio {r('cross_node_bytes_per_step'):.3f}, step time ratio "
+            f"{r('step_seconds'):.2f}, optimizer bytes/param {o['optimizer_bytes_per_param']:.2f} vs "
+            f"{b['optimizer_bytes_per_param']:.2f}"
+        )
 
     for ours, (base, context) in PAIRS.items():
         if ours not in by:
@@ -182,9 +233,11 @@ def _table(records: list[dict], console: Console) -> None:
         o = by[ours]
         if base in by:
             b = by[base]
-            console.print(f"{ours} vs {base} (bf16 mixed precision): final loss ratio "
-                          f"{o['final_loss'] / b['final_loss']:.4f}, val loss ratio "
-                          f"{o['val_loss'] / b['val_loss']:.4f}, " + ratios(o, b))
+            console.print(
+                f"{ours} vs {base} (bf16 mixed precision): final loss ratio "
+                f"{o['final_loss'] / b['final_loss']:.4f}, val loss ratio "
+                f"{o['val_loss'] / b['val_loss']:.4f}, " + ratios(o, b)
+            )
         if context in by:
             console.print(f"{ours} vs {context} (fp32, context only): " + ratios(o, by[context]))
 
@@ -193,10 +246,17 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=max(Console().width, 150))
-    console.print(f"[bold]sdpq demo[/]: {len(args.arms)} arms x {args.steps} steps, {args.ranks} ranks as "
-                  f"{args.ranks // args.ranks_per_node} simulated nodes x {args.ranks_per_node}; output in {out}/")
+    console.print(
+        f"[bold]sdpq demo[/]: {len(args.arms)} arms x {args.steps} steps, {args.ranks} ranks as "
+        f"{args.ranks // args.ranks_per_node} simulated nodes x {args.ranks_per_node}; output in {out}/"
+    )
     records = []
-    cols = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+    cols = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*cols, console=console) as progress:
         for name in args.arms:
             task = progress.add_task(f"{name:<11}", total=args.steps)

@@ -29,9 +29,11 @@ def of(target=None) -> CommStats:
         stats = getattr(getattr(target, attr, None), "stats", None)
         if isinstance(stats, CommStats):
             return stats
-    raise TypeError(f"sdpq.stats: {type(target).__name__} has no sdpq statistics; expected an FSDP2 model "
-                    "after sdpq.fsdp.apply, a DeepSpeed engine from sdpq.deepspeed.initialize, a CommStats, "
-                    "or None (the process-wide figures)")
+    raise TypeError(
+        f"sdpq.stats: {type(target).__name__} has no sdpq statistics; expected an FSDP2 model "
+        "after sdpq.fsdp.apply, a DeepSpeed engine from sdpq.deepspeed.initialize, a CommStats, "
+        "or None (the process-wide figures)"
+    )
 
 
 def summary(target=None) -> tuple[str, dict]:

@@ -141,3 +141,12 @@ def test_config_check_runs_the_checks_of_initialize(tmp_path, capsys, zero, mess
     assert message in capsys.readouterr().err
     path.write_text(json.dumps({**base, "zero_optimization": {"stage": 3}}))
     assert main(["config", "--check", str(path)]) == 0
+
+
+def test_scale_formats_are_the_codec_formats():
+    from typing import get_args
+
+    from sdpq.config import ScaleFormat
+    from sdpq.quant.groupwise import SCALE_DTYPES
+
+    assert set(get_args(ScaleFormat)) == set(SCALE_DTYPES)

@@ -58,3 +58,21 @@ def test_sdpq_config_imports_no_benchmark_and_no_torch_distributed(tmp_path):
     out = _python(f"import sys\nfrom sdpq.cli import main\nassert main(['config', '--check', {str(path)!r}]) == 0\n"
                   "print('RESULT', 'torch.distributed' in sys.modules, any(m.startswith('sdpq.bench.') for m in sys.modules))")
     assert out.split()[-2:] == ["False", "False"], out
+
+
+def test_version_pins_are_stated_once():
+    """pyproject.toml's ranges are the ones the code enforces and the docs state."""
+    tomllib = pytest.importorskip("tomllib")
+    pytest.importorskip("deepspeed")
+    from pathlib import Path
+
+    from sdpq.integrations.deepspeed import TESTED_DEEPSPEED
+
+    root = Path(__file__).parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    deepspeed_pin = f"deepspeed>={TESTED_DEEPSPEED[0]},<{TESTED_DEEPSPEED[1]}"
+    assert project["optional-dependencies"]["deepspeed"] == [deepspeed_pin]
+    assert f'"{deepspeed_pin}"' in (root / "run").read_text()  # what ./run installs before the extras
+    torch_pin = next(d for d in project["dependencies"] if d.startswith("torch"))
+    assert f"torch >= {torch_pin.split('>=')[1]};" in (root / "docs" / "fsdp.md").read_text()
+    assert f"`{torch_pin}`" in (root / "README.md").read_text()

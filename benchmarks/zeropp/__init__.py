@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from sdpq.integrations._ds_groups import reset_deepspeed_groups  # shared with the DeepSpeed tests
+from sdpq.testing import reset_deepspeed_groups  # shared with the DeepSpeed tests
 
 from .cpu_kernels import CPUQuantizerOps
 

@@ -15,24 +15,44 @@ seconds, baseline_seconds, time_ratio, relative_error.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-COLUMNS = ["path", "mode", "link", "layout", "numel", "wire_bits_per_element", "baseline_bits_per_element",
-           "bits_ratio", "seconds", "baseline_seconds", "time_ratio", "relative_error"]
+COLUMNS = [
+    "path",
+    "mode",
+    "link",
+    "layout",
+    "numel",
+    "wire_bits_per_element",
+    "baseline_bits_per_element",
+    "bits_ratio",
+    "seconds",
+    "baseline_seconds",
+    "time_ratio",
+    "relative_error",
+]
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20],
-                   help="bucket sizes in elements (default: 2^16 2^20)")
-    p.add_argument("--layouts", nargs="+", default=["2x2", "2x4", "4x2"],
-                   help="nodes x ranks per node (default: 2x2 2x4 4x2)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
-                   help="dtype of the gathered weights and of the gradients (the baseline's wire dtype)")
+    p.add_argument(
+        "--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20], help="bucket sizes in elements (default: 2^16 2^20)"
+    )
+    p.add_argument(
+        "--layouts", nargs="+", default=["2x2", "2x4", "4x2"], help="nodes x ranks per node (default: 2x2 2x4 4x2)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="bf16",
+        help="dtype of the gathered weights and of the gradients (the baseline's wire dtype)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
     p.add_argument("--paths", nargs="+", choices=["weights", "gradients"], default=["weights", "gradients"])
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective is abandoned")
@@ -55,8 +75,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     by_world: dict[int, list[tuple[int, int]]] = {}
     for nodes, rpn in layouts:
         by_world.setdefault(nodes * rpn, []).append((nodes, rpn))
-    opts = {"sizes": list(args.sizes), "dtype": _DTYPES[args.dtype], "repeats": max(1, args.repeats),
-            "paths": list(args.paths), "timeout": float(args.timeout)}
+    opts = {
+        "sizes": list(args.sizes),
+        "dtype": _DTYPES[args.dtype],
+        "repeats": max(1, args.repeats),
+        "paths": list(args.paths),
+        "timeout": float(args.timeout),
+    }
     records: list[dict] = []
     ctx = mp.get_context("spawn")
     # Note: one thread per rank; the children read it before importing torch.
@@ -66,8 +91,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         for world, lays in by_world.items():
             with tempfile.TemporaryDirectory() as tmp:
                 queue = ctx.Queue()
-                procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), lays, opts, queue))
-                         for r in range(world)]
+                procs = [
+                    ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), lays, opts, queue))
+                    for r in range(world)
+                ]
                 for p in procs:
                     p.start()
                 try:
@@ -103,8 +130,9 @@ def _worker(rank, world, store_path, layouts, opts, queue) -> None:
     torch.set_num_threads(1)
     try:
         timeout = timedelta(seconds=opts["timeout"])
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
-                                world_size=world, timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timeout
+        )
         records = []
         for nodes, rpn in layouts:
             records += _measure_layout(rank, nodes, rpn, opts, timeout)
@@ -133,90 +161,139 @@ def _seconds(fn: Callable[[], object], repeats: int) -> float:
     return float(t.median())
 
 
-def _record(path, mode, link, layout, numel, stats: dict, seconds, baseline_seconds, rel, baseline_bits):
+def _record(path, mode, link, *, layout, numel, stats: dict, seconds, baseline_seconds, rel, baseline_bits):
     bits = stats[path][link]["bits_per_element"]
-    return {"path": path, "mode": mode, "link": link, "layout": layout, "numel": numel,
-            "wire_bits_per_element": bits, "baseline_bits_per_element": baseline_bits,
-            "bits_ratio": baseline_bits / bits, "seconds": seconds, "baseline_seconds": baseline_seconds,
-            "time_ratio": seconds / baseline_seconds, "relative_error": rel}
+    return {
+        "path": path,
+        "mode": mode,
+        "link": link,
+        "layout": layout,
+        "numel": numel,
+        "wire_bits_per_element": bits,
+        "baseline_bits_per_element": baseline_bits,
+        "bits_ratio": baseline_bits / bits,
+        "seconds": seconds,
+        "baseline_seconds": baseline_seconds,
+        "time_ratio": seconds / baseline_seconds,
+        "relative_error": rel,
+    }
+
+
+class _Setup(NamedTuple):
+    """What every measurement of one layout shares."""
+
+    topo: Any  # sdpq.comm.Topology
+    dtype: Any  # torch.dtype of the buckets
+    reps: int
+
+    @property
+    def record(self):
+        return functools.partial(_record, layout=self.topo.layout, baseline_bits=8 * self.dtype.itemsize)
+
+
+def _max_over_ranks(v: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([v], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _gradient_records(s: _Setup, numel: int, gen) -> list[dict]:
+    """The two-level reduce-scatter of one bucket against reduce_scatter_flat in the same dtype."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import CommStats, GradReduceScatter
+    from ..comm._exchange import reduce_scatter_flat
+    from ..config import GradientsConfig
+    from ..quant import relative_error
+
+    world = dist.group.WORLD
+    x = torch.randn(numel, generator=gen).to(s.dtype)
+    res = torch.empty(numel // s.topo.world_size, dtype=s.dtype)
+    base = _seconds(functools.partial(reduce_scatter_flat, res, x, world), s.reps)
+    exact = torch.empty(numel // s.topo.world_size, dtype=torch.float64)
+    reduce_scatter_flat(exact, x.double(), world)
+    rec = CommStats()
+    rs = GradReduceScatter(numel, s.topo, GradientsConfig(), record_to=rec)
+    rel = _max_over_ranks(relative_error(rs(x).double(), exact))
+    secs = _seconds(functools.partial(rs, x), s.reps)
+    stats = rec.as_dict()
+    return [
+        s.record("gradients", "two_level", link, numel=numel, stats=stats, seconds=secs, baseline_seconds=base, rel=rel)
+        for link in ("intra", "inter")
+        if link in stats.get("gradients", {})
+    ]
+
+
+def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
+    """The weight gather (diff: refresh across nodes + gather inside; direct) of one bucket in the
+    steady state of a random walk (update/weight ~ 1e-3, like an optimizer step), against
+    all_gather_rows in the same dtype."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import CommStats, WeightGather
+    from ..comm._exchange import all_gather_rows
+    from ..config import WeightsConfig
+    from ..quant import relative_error
+
+    C = numel // s.topo.world_size
+    walk = [torch.randn(C, generator=gen)]
+    for _ in range(4):
+        walk.append(walk[-1] + 1e-3 * torch.randn(C, generator=gen))
+    shard = walk[-1].to(s.dtype)
+    base = _seconds(functools.partial(all_gather_rows, shard, dist.group.WORLD), s.reps)
+    true = all_gather_rows(shard, dist.group.WORLD)[0].reshape(-1).float()
+    out = []
+    for mode in ("diff", "direct"):
+        rec = CommStats()
+        cfg = WeightsConfig(mode=mode, bits=4 if mode == "diff" else 8, group_size=2048 if mode == "diff" else 256)
+        wg = WeightGather(numel, s.topo, cfg, dtype=s.dtype, record_to=rec)
+        for t, w in enumerate(walk):
+            if t == len(walk) - 1:
+                rec.reset()  # steady state: one difference refresh + one gather
+            wg.mark_weights_changed()
+            got = wg(w.to(s.dtype))
+        stats = rec.as_dict()
+        rel = _max_over_ranks(relative_error(got.float(), true))
+
+        def refresh(wg=wg):
+            wg.mark_weights_changed()
+            return wg(shard)
+
+        gather = _seconds(functools.partial(wg, shard), s.reps)
+        # diff: the cross-node link carries the refresh, the intra-node link every gather.
+        secs = (
+            {"inter": _seconds(refresh, s.reps), "intra": gather}
+            if mode == "diff"
+            else {"inter": gather, "intra": gather}
+        )
+        out += [
+            s.record(
+                "weights", mode, link, numel=numel, stats=stats, seconds=secs[link], baseline_seconds=base, rel=rel
+            )
+            for link in ("inter", "intra")
+            if link in stats["weights"]
+        ]
+    return out
 
 
 def _measure_layout(rank, nodes, rpn, opts, timeout) -> list[dict]:
     import torch
-    import torch.distributed as dist
 
-    from ..comm import CommStats, GradReduceScatter, Topology, WeightGather
-    from ..comm._exchange import all_gather_rows, reduce_scatter_flat
-    from ..config import GradientsConfig, WeightsConfig
+    from ..comm import Topology
 
     topo = Topology.build(rpn, timeout=timeout)
-    layout, N = topo.layout, topo.world_size
-    dtype = getattr(torch, opts["dtype"])
-    bits = 8 * dtype.itemsize
-    reps = opts["repeats"]
+    s = _Setup(topo, getattr(torch, opts["dtype"]), opts["repeats"])
     out: list[dict] = []
-    world = dist.group.WORLD
-
-    def reduce_max(v: float) -> float:
-        t = torch.tensor([v], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
     for numel in opts["sizes"]:
-        numel = -(-numel // N) * N
-        C = numel // N
+        numel = -(-numel // topo.world_size) * topo.world_size
         gen = torch.Generator().manual_seed(1000 + rank)
         if "gradients" in opts["paths"]:
-            x = torch.randn(numel, generator=gen).to(dtype)
-            res = torch.empty(C, dtype=dtype)
-            base = _seconds(lambda: reduce_scatter_flat(res, x, world), reps)
-            exact = torch.empty(C, dtype=torch.float64)
-            reduce_scatter_flat(exact, x.double(), world)
-            rec = CommStats()
-            rs = GradReduceScatter(numel, topo, GradientsConfig(), record_to=rec)
-            got = rs(x)
-            rel = reduce_max(float((got.double() - exact).norm() / exact.norm()))
-            secs = _seconds(lambda: rs(x), reps)
-            stats = rec.as_dict()
-            for link in ("intra", "inter"):
-                if link in stats.get("gradients", {}):
-                    out.append(_record("gradients", "two_level", link, layout, numel, stats, secs, base, rel, bits))
+            out += _gradient_records(s, numel, gen)
         if "weights" in opts["paths"]:
-            # A random walk of the weights (update/weight ~ 1e-3, like an optimizer step).
-            walk = [torch.randn(C, generator=gen)]
-            for _ in range(4):
-                walk.append(walk[-1] + 1e-3 * torch.randn(C, generator=gen))
-            shard = walk[-1].to(dtype)
-            base = _seconds(lambda: all_gather_rows(shard, world), reps)
-            full, _ = all_gather_rows(shard, world)
-            true = full.reshape(-1).float()
-            for mode in ("diff", "direct"):
-                rec = CommStats()
-                cfg = WeightsConfig(mode=mode, bits=4 if mode == "diff" else 8, group_size=2048 if mode == "diff" else 256)
-                wg = WeightGather(numel, topo, cfg, dtype=dtype, record_to=rec)
-                for t, w in enumerate(walk):
-                    if t == len(walk) - 1:
-                        rec.reset()  # steady state: one difference refresh + one gather
-                    wg.mark_weights_changed()
-                    got = wg(w.to(dtype))
-                stats = rec.as_dict()
-                rel = reduce_max(float((got.float() - true).norm() / true.norm()))
-
-                def step(wg=wg):
-                    wg.mark_weights_changed()
-                    return wg(shard)
-
-                links = stats["weights"]
-                if mode == "diff":
-                    secs_refresh = _seconds(step, reps)
-                    secs_gather = _seconds(lambda: wg(shard), reps)
-                    if "inter" in links:
-                        out.append(_record("weights", "diff", "inter", layout, numel, stats, secs_refresh, base, rel, bits))
-                    if "intra" in links:
-                        out.append(_record("weights", "diff", "intra", layout, numel, stats, secs_gather, base, rel, bits))
-                else:
-                    secs = _seconds(lambda: wg(shard), reps)
-                    for link in ("intra", "inter"):
-                        if link in links:
-                            out.append(_record("weights", "direct", link, layout, numel, stats, secs, base, rel, bits))
+            out += _weight_records(s, numel, gen)
     return out

@@ -11,6 +11,7 @@ GB/s (minimum traffic: bf16 gradient read, bf16 weight + compensation and both F
 tensors read and written, metadata), a copy of the same traffic in the same run, and the
 speedup over the PyTorch path (the same optimizer with ``kernels_enabled = False``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,21 @@ from ..optim import AdamW, memory_report
 from ..quant.fused import uses_kernels
 from .report import default_device, paired_seconds, seconds_per_call
 
-COLUMNS = ["states", "master", "v", "numel", "device", "bytes_per_param", "baseline_bytes_per_param",
-           "step_seconds", "baseline_step_seconds", "vs_baseline", "gbps", "vs_copy", "speedup_vs_pytorch"]
+COLUMNS = [
+    "states",
+    "master",
+    "v",
+    "numel",
+    "device",
+    "bytes_per_param",
+    "baseline_bytes_per_param",
+    "step_seconds",
+    "baseline_step_seconds",
+    "vs_baseline",
+    "gbps",
+    "vs_copy",
+    "speedup_vs_pytorch",
+]
 
 # name -> (states, master, mcf_second_moment)
 MODES = {
@@ -62,13 +76,22 @@ def _kernel_figures(opt: AdamW, numel: int, step_s: float, min_run_time: float, 
     opt.kernels_enabled = False
     torch_s = seconds_per_call(opt.step, min_run_time)
     opt.kernels_enabled = True
-    return dict(gbps=traffic / step_s / 1e9, copy_gbps=traffic / copy_s / 1e9, vs_copy=copy_s / step_s,
-                speedup_vs_pytorch=torch_s / step_s)
+    return dict(
+        gbps=traffic / step_s / 1e9,
+        copy_gbps=traffic / copy_s / 1e9,
+        vs_copy=copy_s / step_s,
+        speedup_vs_pytorch=torch_s / step_s,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--numel", type=int, nargs="+", default=None,
-                   help="parameter counts (default: 1M 10M on CPU, 1M 10M 100M on CUDA)")
+    p.add_argument(
+        "--numel",
+        type=int,
+        nargs="+",
+        default=None,
+        help="parameter counts (default: 1M 10M on CPU, 1M 10M 100M on CUDA)",
+    )
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES), help="sdpq modes to run")
     p.add_argument("--v-format", choices=["e4m3", "e5m2"], default="e4m3", help="FP8 format of v")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -89,17 +112,27 @@ def run(args: argparse.Namespace) -> list[dict]:
         for name in args.modes:
             states, mode_master, pair = MODES[name]
             params = _params(n, torch.bfloat16 if mode_master == "mcf" else torch.float32, device)
-            opt = AdamW(params, lr=1e-4, states=states, master=mode_master, mcf_second_moment=pair,
-                        v_format=args.v_format)
+            opt = AdamW(
+                params, lr=1e-4, states=states, master=mode_master, mcf_second_moment=pair, v_format=args.v_format
+            )
             opt.step()
             # the baseline is timed right next to each mode, so both see the same machine load
             base_s, step_s = paired_seconds(baseline.step, opt.step, 2 * args.min_run_time)
             rep = memory_report(opt)
             v = "pair" if pair else (args.v_format if states == "fp8" else states)
-            rec = dict(states=states, master=mode_master, v=v, numel=rep["numel"], device=device.type,
-                       bytes_per_param=rep["bytes_per_param"], baseline_bytes_per_param=base_bpp,
-                       step_seconds=step_s, baseline_step_seconds=base_s, vs_baseline=step_s / base_s,
-                       breakdown=rep["per_param"])
+            rec = dict(
+                states=states,
+                master=mode_master,
+                v=v,
+                numel=rep["numel"],
+                device=device.type,
+                bytes_per_param=rep["bytes_per_param"],
+                baseline_bytes_per_param=base_bpp,
+                step_seconds=step_s,
+                baseline_step_seconds=base_s,
+                vs_baseline=step_s / base_s,
+                breakdown=rep["per_param"],
+            )
             kernel = uses_kernels(params[0]) or (device.type == "cpu" and adamw_ops.cpu_available())
             if name == "fp8+mcf" and kernel and args.v_format == "e4m3":
                 rec.update(_kernel_figures(opt, rep["numel"], step_s, args.min_run_time, device))

@@ -9,7 +9,8 @@ that carries over between machines. The fused hot paths of the collectives follo
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +28,11 @@ def _primitives() -> dict[str, Callable[[torch.Tensor], Callable[[], object]]]:
     for bits, group in ((8, 128), (4, 128), (4, 2048)):
         for rounding in ("nearest", "stochastic"):
             spec = QuantSpec(bits=bits, group_size=group, rounding=rounding)
-            prims[f"encode_int{bits}_g{group}_{rounding[:4]}"] = lambda x, s=spec: (lambda: encode(x, s))
+
+            def _encode(x, s=spec):
+                return lambda: encode(x, s)
+
+            prims[f"encode_int{bits}_g{group}_{rounding[:4]}"] = _encode
         spec = QuantSpec(bits=bits, group_size=group)
 
         def _decode(x, s=spec):
@@ -35,8 +40,8 @@ def _primitives() -> dict[str, Callable[[torch.Tensor], Callable[[], object]]]:
             return lambda: decode(buf, s, x.numel())
 
         prims[f"decode_int{bits}_g{group}"] = _decode
-    prims["hadamard_b128"] = lambda x: (lambda: hadamard(x, 128, 0))
-    prims["inverse_hadamard_b128"] = lambda x: (lambda: inverse_hadamard(x, 128, 0))
+    prims["hadamard_b128"] = lambda x: lambda: hadamard(x, 128, 0)
+    prims["inverse_hadamard_b128"] = lambda x: lambda: inverse_hadamard(x, 128, 0)
     prims.update(_optional_primitives())
     return prims
 
@@ -49,8 +54,13 @@ def _optional_primitives() -> dict[str, Callable[[torch.Tensor], Callable[[], ob
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=int, nargs="+", default=None,
-                   help="element counts (default: 2^16 2^20 2^22 on CPU, up to 2^26 on CUDA)")
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="element counts (default: 2^16 2^20 2^22 on CPU, up to 2^26 on CUDA)",
+    )
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--only", nargs="+", default=None, help="primitive name prefixes to run")
@@ -70,12 +80,21 @@ def run(args: argparse.Namespace) -> list[dict]:
         x = torch.randn(n, device=device, generator=gen).to(dtype)
         dst = torch.empty_like(x)
         nbytes = x.numel() * x.element_size()
-        copy_gbps = nbytes / seconds_per_call(lambda: dst.copy_(x), args.min_run_time) / 1e9
+        copy_gbps = nbytes / seconds_per_call(functools.partial(dst.copy_, x), args.min_run_time) / 1e9
         for name, factory in prims.items():
             t = seconds_per_call(factory(x), args.min_run_time)
             gbps = nbytes / t / 1e9
-            records.append(dict(primitive=name, numel=n, dtype=args.dtype, device=device.type,
-                                gbps=gbps, copy_gbps=copy_gbps, vs_copy=gbps / copy_gbps))
+            records.append(
+                dict(
+                    primitive=name,
+                    numel=n,
+                    dtype=args.dtype,
+                    device=device.type,
+                    gbps=gbps,
+                    copy_gbps=copy_gbps,
+                    vs_copy=gbps / copy_gbps,
+                )
+            )
     from . import quant_fused
 
     return records + quant_fused.run(sizes, device, lambda f: seconds_per_call(f, args.min_run_time), args.only)

@@ -6,7 +6,7 @@ allocated outside the timing (the optimizer writes its states in place the same 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from rich.console import Console
@@ -18,8 +18,9 @@ def seconds_per_call(fn: Callable[[], object], min_run_time: float = 0.2) -> flo
     return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
 
-def paired_seconds(a: Callable[[], object], b: Callable[[], object], min_run_time: float = 0.2,
-                   rounds: int = 3) -> tuple[float, float]:
+def paired_seconds(
+    a: Callable[[], object], b: Callable[[], object], min_run_time: float = 0.2, rounds: int = 3
+) -> tuple[float, float]:
     """Seconds per call of ``a`` and ``b``, timed in alternation for `rounds` rounds; each the
     fastest of its round medians. A ratio of the two then compares runs that saw the same machine
     state (page cache, other load), not one lucky run against one unlucky one."""

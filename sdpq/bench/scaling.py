@@ -27,8 +27,17 @@ from dataclasses import dataclass
 
 from ..quant import QuantSpec
 
-COLUMNS = ["cluster", "model", "baseline_tflops", "sdpq_tflops", "speedup", "published_baseline",
-           "published_sdp4bit", "published_speedup", "comm_share_baseline"]
+COLUMNS = [
+    "cluster",
+    "model",
+    "baseline_tflops",
+    "sdpq_tflops",
+    "speedup",
+    "published_baseline",
+    "published_sdp4bit",
+    "published_speedup",
+    "comm_share_baseline",
+]
 
 
 @dataclass(frozen=True)
@@ -80,7 +89,9 @@ MODELS = [
 PUBLISHED = {("16x4 A100, 100 Gbit/s", "6.7B"): (10.8, 37.1)}
 
 
-def step_seconds(c: Cluster, m: Model, grad_accum: int, mfu: float, quant_eff: float, sdpq: bool) -> tuple[float, float]:
+def step_seconds(
+    c: Cluster, m: Model, grad_accum: int, mfu: float, quant_eff: float, sdpq: bool
+) -> tuple[float, float]:
     """(total, communication) seconds of one optimizer step on one GPU."""
     gpus = c.nodes * c.gpus_per_node
     dp = gpus // (m.tp * m.pp)
@@ -112,8 +123,12 @@ def step_seconds(c: Cluster, m: Model, grad_accum: int, mfu: float, quant_eff: f
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=32, help="micro-batches per optimizer step")
     p.add_argument("--mfu", type=float, default=0.45, help="compute efficiency without communication")
-    p.add_argument("--quant-efficiency", type=float, default=0.7,
-                   help="quantization kernels' fraction of HBM copy bandwidth (measure with sdpq bench quant on a GPU)")
+    p.add_argument(
+        "--quant-efficiency",
+        type=float,
+        default=0.7,
+        help="quantization kernels' fraction of HBM copy bandwidth (measure with sdpq bench quant on a GPU)",
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -124,12 +139,19 @@ def run(args: argparse.Namespace) -> list[dict]:
             tb, cb = step_seconds(c, m, args.grad_accum, args.mfu, args.quant_efficiency, sdpq=False)
             ts, _ = step_seconds(c, m, args.grad_accum, args.mfu, args.quant_efficiency, sdpq=True)
             pub = PUBLISHED.get((c.name, m.name))
-            records.append(dict(
-                cluster=c.name, model=m.name, baseline_tflops=flops / tb / 1e12, sdpq_tflops=flops / ts / 1e12,
-                speedup=tb / ts, published_baseline=pub[0] if pub else "n/a",
-                published_sdp4bit=pub[1] if pub else "n/a", published_speedup=pub[1] / pub[0] if pub else "n/a",
-                comm_share_baseline=cb / tb,
-                assumptions=f"grad_accum={args.grad_accum} mfu={args.mfu} quant_eff={args.quant_efficiency} "
-                            f"tp={m.tp} pp={m.pp} seq={m.seq} mb={m.micro_batch}",
-            ))
+            records.append(
+                dict(
+                    cluster=c.name,
+                    model=m.name,
+                    baseline_tflops=flops / tb / 1e12,
+                    sdpq_tflops=flops / ts / 1e12,
+                    speedup=tb / ts,
+                    published_baseline=pub[0] if pub else "n/a",
+                    published_sdp4bit=pub[1] if pub else "n/a",
+                    published_speedup=pub[1] / pub[0] if pub else "n/a",
+                    comm_share_baseline=cb / tb,
+                    assumptions=f"grad_accum={args.grad_accum} mfu={args.mfu} quant_eff={args.quant_efficiency} "
+                    f"tp={m.tp} pp={m.pp} seq={m.seq} mb={m.micro_batch}",
+                )
+            )
     return records

@@ -46,8 +46,20 @@ from pathlib import Path
 
 __all__ = ["add_arguments", "run", "COLUMNS", "TITLE", "breakdown", "aggregate"]
 
-COLUMNS = ["backend", "arm", "fwd_bwd", "w_encode", "w_decode", "g_encode", "g_reduce", "comm_wait", "optimizer",
-           "rest", "total", "vs_baseline"]
+COLUMNS = [
+    "backend",
+    "arm",
+    "fwd_bwd",
+    "w_encode",
+    "w_decode",
+    "g_encode",
+    "g_reduce",
+    "comm_wait",
+    "optimizer",
+    "rest",
+    "total",
+    "vs_baseline",
+]
 TITLE = "sdpq bench step (seconds per step; mean over ranks, interquartile mean over steps)"
 PARTS = ["fwd_bwd", "w_encode", "w_decode", "g_encode", "g_reduce", "comm_wait", "optimizer"]
 # column -> span labels whose self time it sums
@@ -73,13 +85,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..demo import add_job_arguments
 
     add_job_arguments(p)
-    p.add_argument("--baseline", choices=["plain", "exact"], default="plain",
-                   help="plain: the framework alone; exact: sdpq's exact collectives (the demo's baseline)")
+    p.add_argument(
+        "--baseline",
+        choices=["plain", "exact"],
+        default="plain",
+        help="plain: the framework alone; exact: sdpq's exact collectives (the demo's baseline)",
+    )
     p.add_argument("--out", default=None, help="keep each arm's result JSON and log here (default: a temp dir)")
 
 
 def breakdown(spans: dict) -> dict:
     """One rank's step, {label: [inclusive s, self s, calls]} -> the columns (seconds)."""
+
     def own(labels):
         return sum(spans[k][1] for k in labels if k in spans)
 
@@ -99,13 +116,12 @@ def aggregate(timing: list[list[dict]], warmup: int) -> dict:
     for s in range(steps):
         rows = [breakdown(per_rank[s]) for per_rank in timing]
         per_step.append({k: sum(r[k] for r in rows) / len(rows) for k in keys})
-    kept = per_step[min(warmup, steps - 1):]
+    kept = per_step[min(warmup, steps - 1) :]
     ranked = sorted(kept, key=lambda r: r["total"])
     cut = len(ranked) // 4
-    mid = ranked[cut:len(ranked) - cut]
+    mid = ranked[cut : len(ranked) - cut]
     out = {k: sum(r[k] for r in mid) / len(mid) for k in keys}
-    out.update(step_median=statistics.median(r["total"] for r in kept), steps_used=len(mid),
-               steps_measured=len(kept))
+    out.update(step_median=statistics.median(r["total"] for r in kept), steps_used=len(mid), steps_measured=len(kept))
     return out
 
 
@@ -115,7 +131,9 @@ def _run_arm(name: str, backend: str, kind: str, args: argparse.Namespace, out: 
     block = "arm" if kind == "sdpq" else (EXACT if kind == "exact" else None)
     cmd = arm_command(name, args, out, block=block, extra=["--timing", "--eval-batches", "0", "--log-every", "0"])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-    print(f"sdpq bench step: {name} ({kind}), {args.steps} steps on {args.ranks} ranks ...", file=sys.stderr, flush=True)
+    print(
+        f"sdpq bench step: {name} ({kind}), {args.steps} steps on {args.ranks} ranks ...", file=sys.stderr, flush=True
+    )
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     (out / f"{name}.log").write_text(proc.stdout)
     if proc.returncode != 0:
@@ -123,9 +141,18 @@ def _run_arm(name: str, backend: str, kind: str, args: argparse.Namespace, out: 
         raise SystemExit(f"sdpq bench step: arm {name} failed (exit {proc.returncode}):\n{tail}")
     result = json.loads((out / f"{name}.json").read_text())
     row = aggregate(result["extra"]["timing"], args.warmup)
-    return dict(backend=backend, arm=name, kind=kind, **row, step_seconds=result["step_seconds"],
-                ranks=args.ranks, ranks_per_node=args.ranks_per_node, d_model=args.d_model, n_layer=args.n_layer,
-                aggregation="mean over ranks; interquartile mean over steps after warm-up")
+    return dict(
+        backend=backend,
+        arm=name,
+        kind=kind,
+        **row,
+        step_seconds=result["step_seconds"],
+        ranks=args.ranks,
+        ranks_per_node=args.ranks_per_node,
+        d_model=args.d_model,
+        n_layer=args.n_layer,
+        aggregation="mean over ranks; interquartile mean over steps after warm-up",
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:

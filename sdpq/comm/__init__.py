@@ -7,7 +7,7 @@
   `sdpq.stats`).
 """
 
-from . import stats
+from . import stats as stats  # the implementation module; read the figures through sdpq.stats
 from .grads import GradReduceScatter
 from .stats import CommStats
 from .topology import Topology, TopologyError
@@ -20,5 +20,4 @@ __all__ = [
     "ReferenceMismatchWarning",
     "GradReduceScatter",
     "CommStats",
-    "stats",
 ]

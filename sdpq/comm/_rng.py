@@ -16,8 +16,9 @@ def generator_state(gen: torch.Generator | None) -> torch.Tensor | None:
     return None if gen is None else gen.get_state()
 
 
-def restore_generator(gen: torch.Generator | None, state: torch.Tensor | None,
-                      device: torch.device) -> torch.Generator | None:
+def restore_generator(
+    gen: torch.Generator | None, state: torch.Tensor | None, device: torch.device
+) -> torch.Generator | None:
     """The generator to use after loading `state` (reuses `gen`, keeping its device, if any)."""
     if state is None:
         return None

@@ -10,7 +10,8 @@ is set up (one small all-gather of the settings, none per step) and raises the s
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ def check_agreement(what: str, settings: Mapping[str, Any], group) -> None:
     mine_t = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(group_device(group))
     if bool((all_gather_rows(mine_t, group)[0] == mine_t).all()):
         return
-    everyone: list[dict[str, str] | None] = [None] * k
+    everyone: list[dict[str, str]] = [{} for _ in range(k)]
     dist.all_gather_object(everyone, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
     keys = sorted(set().union(*everyone))
@@ -62,5 +63,7 @@ def check_agreement(what: str, settings: Mapping[str, Any], group) -> None:
         if len(held) > 1:
             diffs.append(f"{key}: " + "; ".join(f"{v} on ranks {rs}" for v, rs in held.items()))
     if diffs:
-        raise ConfigError(f"{what}: the ranks disagree on settings that shape the wire, so their collectives "
-                          f"cannot work together ({len(diffs)} differing): " + " | ".join(diffs[:5]))
+        raise ConfigError(
+            f"{what}: the ranks disagree on settings that shape the wire, so their collectives "
+            f"cannot work together ({len(diffs)} differing): " + " | ".join(diffs[:5])
+        )

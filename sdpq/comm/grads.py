@@ -29,14 +29,14 @@ import torch
 
 from ..config import GradientsConfig, StatsConfig
 from ..quant import QuantSpec
-from ..quant.groupwise import SCALE_DTYPES, relative_error
 from ..quant.fused import decode_rows, encode_rows, poison_scales_, reduce_rows
+from ..quant.groupwise import SCALE_DTYPES, relative_error
 from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
 from . import timing
-from .agreement import check_agreement
 from ._exchange import all_to_all_rows, reduce_scatter_flat
 from ._rng import generator_state, restore_generator
+from .agreement import check_agreement
 from .stats import CommStats, Recorder
 from .topology import Topology
 
@@ -55,9 +55,16 @@ class GradReduceScatter:
     process-wide one, sdpq.stats.of()).
     """
 
-    def __init__(self, numel: int, topology: Topology, config: GradientsConfig | None = None, *,
-                 device: torch.device | str | None = None, stats: StatsConfig | None = None,
-                 record_to: CommStats | None = None):
+    def __init__(
+        self,
+        numel: int,
+        topology: Topology,
+        config: GradientsConfig | None = None,
+        *,
+        device: torch.device | str | None = None,
+        stats: StatsConfig | None = None,
+        record_to: CommStats | None = None,
+    ):
         if numel < 1:
             raise ValueError(f"GradReduceScatter: numel must be positive, got {numel}")
         self.config = c = config or GradientsConfig()
@@ -79,19 +86,32 @@ class GradReduceScatter:
         step = align * self.slices
         self.padded_chunk = -(-cn // step) * step if c.mode == "two_level" else cn
         self.slice_numel = self.padded_chunk // self.slices
-        self.intra_spec = QuantSpec(bits=c.intra_bits, group_size=c.intra_group_size, rounding=c.rounding,
-                                    scale_dtype=SCALE_DTYPES[c.scale_dtype])
-        self.inter_spec = QuantSpec(bits=c.inter_bits, group_size=c.inter_group_size, rounding=c.rounding,
-                                    scale_dtype=SCALE_DTYPES[c.scale_dtype])
+        self.intra_spec = QuantSpec(
+            bits=c.intra_bits,
+            group_size=c.intra_group_size,
+            rounding=c.rounding,
+            scale_dtype=SCALE_DTYPES[c.scale_dtype],
+        )
+        self.inter_spec = QuantSpec(
+            bits=c.inter_bits,
+            group_size=c.inter_group_size,
+            rounding=c.rounding,
+            scale_dtype=SCALE_DTYPES[c.scale_dtype],
+        )
         l, n = topo.local_rank, topo.node
         # Bucket elements that leave this rank on each link per call (padding excluded).
         self._intra_elems = sum(valid[m * L + k] for m in range(nodes) for k in range(L) if k != l)
         self._inter_elems = sum(valid[m * L + l] for m in range(nodes) if m != n)
-        self._world_elems = {"intra": sum(valid[n * L + k] for k in range(L) if k != l),
-                             "inter": sum(valid[r] for r in range(N) if r // L != n)}
+        self._world_elems = {
+            "intra": sum(valid[n * L + k] for k in range(L) if k != l),
+            "inter": sum(valid[r] for r in range(N) if r // L != n),
+        }
         self._valid_own = valid[topo.rank]
-        check_agreement("GradReduceScatter", {"gradients": dataclasses.asdict(c),
-                                              "numel": numel, "layout": topo.layout}, topo.world_group)
+        check_agreement(
+            "GradReduceScatter",
+            {"gradients": dataclasses.asdict(c), "numel": numel, "layout": topo.layout},
+            topo.world_group,
+        )
         self.residual: torch.Tensor | None = None  # error feedback of the inter-node stage
         self.calls = 0
         self._rec = Recorder(stats, record_to)
@@ -126,8 +146,11 @@ class GradReduceScatter:
         # Note: the generator is created now if it is not yet (same seed as at its first use), so
         # that what is saved does not depend on whether this rank has rounded anything yet.
         gen = self._generator(self.device) if self.config.mode == "two_level" else None
-        return {"residual": None if self.residual is None else self.residual.clone(),
-                "generator": generator_state(gen), "calls": self.calls}
+        return {
+            "residual": None if self.residual is None else self.residual.clone(),
+            "generator": generator_state(gen),
+            "calls": self.calls,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a saved state; without "generator" or "calls" (older checkpoints) those stay
@@ -173,7 +196,9 @@ class GradReduceScatter:
             return None
         if self._gen is None:
             # Independent streams per rank: rounding errors of different ranks then cancel.
-            self._gen = torch.Generator(device=device).manual_seed(self.config.seed * 1_000_003 + self.topology.rank + 1)
+            self._gen = torch.Generator(device=device).manual_seed(
+                self.config.seed * 1_000_003 + self.topology.rank + 1
+            )
         return self._gen
 
     def _two_level(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,21 +222,23 @@ class GradReduceScatter:
         result = torch.empty(C, dtype=torch.float32, device=x.device)
 
         def issue_intra(j: int):
-            Xj = X[:, j * S:(j + 1) * S]
+            Xj = X[:, j * S : (j + 1) * S]
             if L == 1:  # no intra stage: the "node partial" is the rank's own (transformed) rows
                 with timing.span("grads.encode"):
                     return (_hadamard(Xj, *had) if had else Xj), None, None, None
             # Wire row l' = chunks {n' * L + l'} of this slice (segments of one row, in node order).
             with timing.span("grads.encode"):
-                wire, own, bad = encode_rows(Xj, self.intra_spec, segments=nodes, hadamard=had, own_row=l,
-                                             generator=gen)
+                wire, own, bad = encode_rows(
+                    Xj, self.intra_spec, segments=nodes, hadamard=had, own_row=l, generator=gen
+                )
                 poison_scales_(wire, self.intra_spec, nodes * S, bad)
             if sample:
                 seg = (_hadamard(Xj, *had) if had else Xj).reshape(nodes, L, S).transpose(0, 1)
                 got = decode_rows(wire, self.intra_spec, nodes * S, torch.empty(L, nodes * S, device=x.device))
                 others = [k for k in range(L) if k != l]
-                self._rec.record_error("gradients", "intra",
-                                       relative_error(got[others], seg[others].reshape(L - 1, nodes * S)))
+                self._rec.record_error(
+                    "gradients", "intra", relative_error(got[others], seg[others].reshape(L - 1, nodes * S))
+                )
             with timing.span("comm.grads"):
                 recv, work = all_to_all_rows(wire, topo.intra_group, async_op=True)
             return own, recv, work, bad
@@ -225,12 +252,20 @@ class GradReduceScatter:
                 work.wait()
             with timing.span("grads.reduce"):  # decode + sum (+ re-encode for the inter stage)
                 if nodes > 1 and fused_inter:
-                    wire, own_p, bad2 = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad,
-                                                    encode_spec=self.inter_spec, encode_numel=S, own_seg=node,
-                                                    generator=gen)
+                    wire, own_p, bad2 = reduce_rows(
+                        recv,
+                        self.intra_spec,
+                        nodes * S,
+                        own,
+                        l,
+                        bad,
+                        encode_spec=self.inter_spec,
+                        encode_numel=S,
+                        own_seg=node,
+                        generator=gen,
+                    )
                     return None, wire, own_p, bad2
-                P = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad,
-                                hadamard=had if nodes == 1 else None)
+                P = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad, hadamard=had if nodes == 1 else None)
             return P.view(nodes, S), None, None, None
 
         def issue_inter(j: int, state):
@@ -240,7 +275,7 @@ class GradReduceScatter:
             if wire is None:  # unfused: error feedback / error sampling / no intra stage
                 with timing.span("grads.encode"):
                     if self.residual is not None:
-                        P = P + self.residual[:, j * S:(j + 1) * S]
+                        P = P + self.residual[:, j * S : (j + 1) * S]
                     wire, own, bad = encode_rows(P, self.inter_spec, own_row=node, generator=gen)
                     own_p = own[0]
                     if self.residual is not None or sample:
@@ -253,7 +288,7 @@ class GradReduceScatter:
                             res = P - deq
                             res[node] = 0  # own row is summed exactly
                             # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
-                            self.residual[:, j * S:(j + 1) * S] = torch.where(bad, 0.0, res)
+                            self.residual[:, j * S : (j + 1) * S] = torch.where(bad, 0.0, res)
             with timing.span("grads.encode"):
                 poison_scales_(wire, self.inter_spec, S, bad)
             with timing.span("comm.grads"):
@@ -265,12 +300,12 @@ class GradReduceScatter:
             if recv is None:  # one node: own_p is the node partial (already inverse-transformed if L > 1)
                 y = own_p[0]
                 with timing.span("grads.reduce"):
-                    result[j * S:(j + 1) * S] = _inverse_hadamard(y, *had) if had and L == 1 else y
+                    result[j * S : (j + 1) * S] = _inverse_hadamard(y, *had) if had and L == 1 else y
                 return
             with timing.span("comm.grads"):
                 work.wait()
             with timing.span("grads.reduce"):  # decode + sum + inverse Hadamard
-                result[j * S:(j + 1) * S] = reduce_rows(recv, self.inter_spec, S, own_p, node, bad, hadamard=had)
+                result[j * S : (j + 1) * S] = reduce_rows(recv, self.inter_spec, S, own_p, node, bad, hadamard=had)
 
         # Software pipeline: inter(j) is in flight while intra(j+1) is prepared and exchanged.
         intra_state = issue_intra(0)
@@ -280,7 +315,7 @@ class GradReduceScatter:
                 intra_state = issue_intra(j + 1)
             finish_inter(j, inter_state)
         self._record_two_level(x.element_size())
-        result[self._valid_own:] = 0  # padding and past-the-end positions
+        result[self._valid_own :] = 0  # padding and past-the-end positions
         return result[:cn]
 
     def _record_two_level(self, itemsize: int) -> None:
@@ -288,9 +323,11 @@ class GradReduceScatter:
         L, nodes, S, k = topo.ranks_per_node, topo.nodes, self.slice_numel, self.slices
         if L > 1:
             b = (L - 1) * k * self.intra_spec.wire_bytes(nodes * S)
-            self._rec.record("gradients", "intra", bytes=b, elements=self._intra_elems,
-                             baseline_bytes=self._intra_elems * itemsize)
+            self._rec.record(
+                "gradients", "intra", bytes=b, elements=self._intra_elems, baseline_bytes=self._intra_elems * itemsize
+            )
         if nodes > 1:
             b = (nodes - 1) * k * self.inter_spec.wire_bytes(S)
-            self._rec.record("gradients", "inter", bytes=b, elements=self._inter_elems,
-                             baseline_bytes=self._inter_elems * itemsize)
+            self._rec.record(
+                "gradients", "inter", bytes=b, elements=self._inter_elems, baseline_bytes=self._inter_elems * itemsize
+            )

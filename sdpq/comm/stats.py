@@ -81,8 +81,9 @@ class CommStats:
             self.counters[key] = LinkCounters()
         return self.counters[key]
 
-    def record(self, path: str, link: str, *, bytes: int, elements: int, baseline_bytes: int = 0,
-               calls: int = 1) -> None:
+    def record(
+        self, path: str, link: str, *, bytes: int, elements: int, baseline_bytes: int = 0, calls: int = 1
+    ) -> None:
         with self._lock:
             c = self._get(path, link)
             c.bytes += int(bytes)
@@ -117,15 +118,33 @@ class CommStats:
         return out
 
     def table(self) -> str:
-        cols = ["path", "link", "calls", "MB sent", "bits/elem", "baseline bits/elem", "compression",
-                "rel err mean", "rel err max"]
+        cols = [
+            "path",
+            "link",
+            "calls",
+            "MB sent",
+            "bits/elem",
+            "baseline bits/elem",
+            "compression",
+            "rel err mean",
+            "rel err max",
+        ]
         rows = [cols]
         for path, links in self.as_dict().items():
             for link, d in links.items():
-                rows.append([path, link, str(d["calls"]), f"{d['bytes'] / 1e6:.3f}",
-                             f"{d['bits_per_element']:.3f}", f"{d['baseline_bits_per_element']:.3f}",
-                             f"{d['compression']:.2f}x", f"{d['relative_error_mean']:.3g}",
-                             f"{d['relative_error_max']:.3g}"])
+                rows.append(
+                    [
+                        path,
+                        link,
+                        str(d["calls"]),
+                        f"{d['bytes'] / 1e6:.3f}",
+                        f"{d['bits_per_element']:.3f}",
+                        f"{d['baseline_bits_per_element']:.3f}",
+                        f"{d['compression']:.2f}x",
+                        f"{d['relative_error_mean']:.3g}",
+                        f"{d['relative_error_max']:.3g}",
+                    ]
+                )
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -183,8 +202,9 @@ def sum_over_ranks(per_rank: list[dict]) -> dict:
     for d in per_rank:
         for path, links in d.items():
             for link, c in links.items():
-                t = total.setdefault(path, {}).setdefault(link, {"bytes": 0, "elements": 0, "calls": 0,
-                                                                 "baseline_bytes": 0})
+                t = total.setdefault(path, {}).setdefault(
+                    link, {"bytes": 0, "elements": 0, "calls": 0, "baseline_bytes": 0}
+                )
                 t["bytes"] += c["bytes"]
                 t["elements"] += c["elements"]
                 t["calls"] += c["calls"]

@@ -59,7 +59,7 @@ class _Span:
         self.t0 = _clock()
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         dt = _clock() - self.t0
         stack = _stack()
         stack.pop()
@@ -73,7 +73,6 @@ class _Span:
                 rec[0] += dt
                 rec[1] += dt - self.child
                 rec[2] += 1
-        return False
 
 
 class _NoSpan:
@@ -82,8 +81,8 @@ class _NoSpan:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> bool:
-        return False
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 _NO_SPAN = _NoSpan()
@@ -130,7 +129,7 @@ def take() -> dict[str, list]:
 
 def _in_comm() -> bool:
     s = getattr(_local, "stack", None)
-    return bool(s) and s[-1].label.startswith(COMM_PREFIX)
+    return bool(s) and s is not None and s[-1].label.startswith(COMM_PREFIX)
 
 
 class _TimedWork:
@@ -161,7 +160,7 @@ def _timed(fn, label: str, wrap_work: bool):
             return _TimedWork(out, label)
         return out
 
-    wrapper.__sdpq_timed__ = fn
+    wrapper.__sdpq_timed__ = fn  # type: ignore[attr-defined]  # marks (and undoes) the wrapping
     return wrapper
 
 

@@ -9,6 +9,7 @@ a tensor crossing the inter-node group crosses the slow link exactly once.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -18,30 +19,77 @@ import torch.distributed as dist
 
 from ..config import TopologyConfig
 
-__all__ = ["Topology", "TopologyError"]
+__all__ = ["Topology", "TopologyError", "ranks_per_node_from_env", "LOCAL_SIZE_VARIABLES"]
+
+# What launchers set for the number of ranks on this node, read in this order by
+# ranks_per_node="auto": torchrun, the deepspeed launcher, Open MPI, MPICH, srun --ntasks-per-node.
+LOCAL_SIZE_VARIABLES = (
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "SLURM_NTASKS_PER_NODE",
+)
 
 
 class TopologyError(ValueError):
     """A layout that cannot work (wrong divisibility, ranks that disagree, a partial group)."""
 
 
+def ranks_per_node_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """The ranks on this node as the launcher says (the first of LOCAL_SIZE_VARIABLES that is
+    set), or None. A variable set to something other than a positive integer is an error."""
+    env = os.environ if env is None else env
+    for var in LOCAL_SIZE_VARIABLES:
+        value = env.get(var)
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise TopologyError(f"{var}={value!r} is not a positive integer")
+            return int(value)
+    return None
+
+
 def _resolve_ranks_per_node(spec: Any) -> int:
     if isinstance(spec, TopologyConfig):
         spec = spec.ranks_per_node
     if spec is None or spec == "auto":
-        value = os.environ.get("LOCAL_WORLD_SIZE")
-        if value is None:
+        spec = ranks_per_node_from_env()
+        if spec is None:
             raise TopologyError(
-                "sdpq.topology.ranks_per_node='auto' needs the launcher's LOCAL_WORLD_SIZE environment "
-                "variable (torchrun and deepspeed set it); set it or give ranks_per_node as an integer"
+                "sdpq.topology.ranks_per_node='auto' found no launcher variable ("
+                + ", ".join(LOCAL_SIZE_VARIABLES)
+                + "); give ranks_per_node as an integer"
             )
-        try:
-            spec = int(value)
-        except ValueError:
-            raise TopologyError(f"LOCAL_WORLD_SIZE={value!r} is not an integer") from None
     if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
         raise TopologyError(f"ranks_per_node must be a positive integer or 'auto', got {spec!r}")
     return spec
+
+
+def _check_layout(L: int, world_size: int, *, check_local_rank: bool) -> None:
+    """Every rank must agree on L and (with L from the launcher) sit where rank = node * L +
+    local_rank. Checked with one small all-gather, so that a bad launcher setting fails on all
+    ranks alike instead of deadlocking in the first collective."""
+    world = dist.group.WORLD
+    local_env = os.environ.get("LOCAL_RANK")
+    mine = torch.tensor([L, int(local_env) if local_env is not None else -1], dtype=torch.int64)
+    if dist.get_backend(world) == "nccl":
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=world)
+    everyone = [t.tolist() for t in gathered]
+    if len({e[0] for e in everyone}) != 1:
+        raise TopologyError(f"ranks disagree on ranks_per_node: {[e[0] for e in everyone]}")
+    if world_size % L:
+        raise TopologyError(
+            f"world size {world_size} is not divisible by ranks_per_node {L} "
+            "(every node must have the same number of ranks)"
+        )
+    bad = [r for r, e in enumerate(everyone) if e[1] != -1 and e[1] != r % L]
+    if check_local_rank and bad:
+        raise TopologyError(
+            f"LOCAL_RANK of ranks {bad} does not match rank % {L}: sdpq assumes rank = node * "
+            "ranks_per_node + local_rank (launch with contiguous ranks per node)"
+        )
 
 
 @dataclass(eq=False)
@@ -73,7 +121,7 @@ class Topology:
 
     @property
     def layout(self) -> str:
-        """"nodes x ranks_per_node", e.g. "2x4"."""
+        """The layout as "nodes x ranks_per_node", e.g. "2x4"."""
         return f"{self.nodes}x{self.ranks_per_node}"
 
     def intra_ranks(self, node: int | None = None) -> list[int]:
@@ -85,8 +133,9 @@ class Topology:
         return [n * self.ranks_per_node + l for n in range(self.nodes)]
 
     @classmethod
-    def build(cls, ranks_per_node: TopologyConfig | int | str | None = "auto", *, group=None,
-              timeout: timedelta | None = None) -> "Topology":
+    def build(
+        cls, ranks_per_node: TopologyConfig | int | str | None = "auto", *, group=None, timeout: timedelta | None = None
+    ) -> Topology:
         """Create the groups. Collective: EVERY rank of the world must call it, in the same
         order relative to other group creations (torch.distributed.new_group's rule).
 
@@ -107,49 +156,29 @@ class Topology:
                     f"got a group of ranks {ranks}: build it over dist.group.WORLD on every rank"
                 )
         L = _resolve_ranks_per_node(ranks_per_node)
-        # Every rank must agree on L and sit where rank = node * L + local_rank; check it with one
-        # small all-gather so that a bad launcher setting fails on all ranks alike instead of
-        # deadlocking in the first collective.
-        local_env = os.environ.get("LOCAL_RANK")
-        mine = torch.tensor([L, int(local_env) if local_env is not None else -1], dtype=torch.int64)
-        backend = dist.get_backend(world)
-        if backend == "nccl":
-            mine = mine.cuda()
-        everyone = [torch.empty_like(mine) for _ in range(world_size)]
-        dist.all_gather(everyone, mine, group=world)
-        everyone = [t.tolist() for t in everyone]
-        values = {e[0] for e in everyone}
-        if len(values) != 1:
-            raise TopologyError(f"ranks disagree on ranks_per_node: {[e[0] for e in everyone]}")
-        if world_size % L:
-            raise TopologyError(
-                f"world size {world_size} is not divisible by ranks_per_node {L} "
-                "(every node must have the same number of ranks)"
-            )
-        explicit = not (ranks_per_node in (None, "auto")
-                        or isinstance(ranks_per_node, TopologyConfig) and ranks_per_node.ranks_per_node == "auto")
-        if not explicit:
-            bad = [r for r, e in enumerate(everyone) if e[1] != -1 and e[1] != r % L]
-            if bad:
-                raise TopologyError(
-                    f"LOCAL_RANK of ranks {bad} does not match rank % {L}: sdpq assumes rank = node * "
-                    "ranks_per_node + local_rank (launch with contiguous ranks per node)"
-                )
+        explicit = not (
+            ranks_per_node in (None, "auto")
+            or isinstance(ranks_per_node, TopologyConfig)
+            and ranks_per_node.ranks_per_node == "auto"
+        )
+        _check_layout(L, world_size, check_local_rank=not explicit)
         topo = cls(world_size=world_size, ranks_per_node=L, rank=rank, world_group=world)
-        kwargs = {} if timeout is None else {"timeout": timeout}
+        topo._create_groups(timeout)
+        return topo
+
+    def _create_groups(self, timeout: timedelta | None) -> None:
         # Note: new_group is collective over the world: every rank creates every group, in the
         # same order, and keeps only its own.
-        if L > 1:
-            for n in range(topo.nodes):
-                g = dist.new_group(topo.intra_ranks(n), **kwargs)
-                if n == topo.node:
-                    topo.intra_group = g
-        if topo.nodes > 1:
-            for l in range(L):
-                g = dist.new_group(topo.inter_ranks(l), **kwargs)
-                if l == topo.local_rank:
-                    topo.inter_group = g
-        return topo
+        if self.ranks_per_node > 1:
+            for n in range(self.nodes):
+                g = dist.new_group(self.intra_ranks(n), timeout=timeout)
+                if n == self.node:
+                    self.intra_group = g
+        if self.nodes > 1:
+            for l in range(self.ranks_per_node):
+                g = dist.new_group(self.inter_ranks(l), timeout=timeout)
+                if l == self.local_rank:
+                    self.inter_group = g
 
     def check_group(self, group) -> None:
         """Raise unless `group` is the world this topology was built over (integrations call it

@@ -22,21 +22,21 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+
 import torch
 
 from ..config import StatsConfig, WeightsConfig
 from ..quant import QuantSpec
-from ..quant.groupwise import SCALE_DTYPES, relative_error
 from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
+from ..quant.groupwise import SCALE_DTYPES, relative_error
 from . import timing
-from .agreement import check_agreement
 from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
+from .agreement import check_agreement
 from .stats import CommStats, Recorder
 from .topology import Topology
 
 __all__ = ["WeightGather", "ReferenceMismatchWarning"]
-
 
 
 class ReferenceMismatchWarning(RuntimeWarning):
@@ -61,10 +61,18 @@ class WeightGather:
     process-wide one, sdpq.stats.of()).
     """
 
-    def __init__(self, numel: int, topology: Topology, config: WeightsConfig | None = None, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 reference_dtype: torch.dtype = torch.float32, stats: StatsConfig | None = None,
-                 record_to: CommStats | None = None):
+    def __init__(
+        self,
+        numel: int,
+        topology: Topology,
+        config: WeightsConfig | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        reference_dtype: torch.dtype = torch.float32,
+        stats: StatsConfig | None = None,
+        record_to: CommStats | None = None,
+    ):
         if numel < 1:
             raise ValueError(f"WeightGather: numel must be positive, got {numel}")
         self.config = config or WeightsConfig()
@@ -79,11 +87,23 @@ class WeightGather:
         # Valid (non-padding) elements of every shard, for honest per-element byte counts.
         self._valid = [max(0, min(self.shard_numel, numel - r * self.shard_numel)) for r in range(N)]
         c = self.config
-        self.spec = QuantSpec(bits=c.bits if c.mode == "diff" else 8, group_size=c.group_size,
-                              rounding=c.rounding, scale_dtype=SCALE_DTYPES[c.scale_dtype])
-        check_agreement("WeightGather", {"weights": dataclasses.asdict(c), "numel": numel,
-                                         "dtype": str(dtype), "reference_dtype": str(reference_dtype),
-                                         "layout": topology.layout}, topology.world_group)
+        self.spec = QuantSpec(
+            bits=c.bits if c.mode == "diff" else 8,
+            group_size=c.group_size,
+            rounding=c.rounding,
+            scale_dtype=SCALE_DTYPES[c.scale_dtype],
+        )
+        check_agreement(
+            "WeightGather",
+            {
+                "weights": dataclasses.asdict(c),
+                "numel": numel,
+                "dtype": str(dtype),
+                "reference_dtype": str(reference_dtype),
+                "layout": topology.layout,
+            },
+            topology.world_group,
+        )
         self.reference: torch.Tensor | None = None  # R_l: [nodes, C]
         self.dirty = True
         self.version = 0  # refreshes done
@@ -123,7 +143,7 @@ class WeightGather:
                     self._refresh(w, wire_dtype)
                 # Note: a padded `out` receives the node-interleaved rows directly (one copy, not two).
                 direct = out is not None and out.numel() == self.padded_numel and out.is_contiguous()
-                full = self._gather_reference(dtype, out.view(-1) if direct else None)
+                full = self._gather_reference(dtype, out.view(-1) if out is not None and direct else None)
             elif mode == "direct":
                 full = self._gather_direct(w, dtype)
             else:
@@ -196,11 +216,9 @@ class WeightGather:
     def _refresh(self, w: torch.Tensor, wire_dtype: torch.dtype) -> None:
         topo, c = self.topology, self.config
         if self.reference is None:
-            self.reference = torch.zeros((topo.nodes, self.shard_numel), dtype=self.reference_dtype,
-                                         device=w.device)
+            self.reference = torch.zeros((topo.nodes, self.shard_numel), dtype=self.reference_dtype, device=w.device)
             self.version = 0
-        exact = (self.version == 0 or self._force_exact
-                 or (c.resync_every > 0 and self.version % c.resync_every == 0))
+        exact = self.version == 0 or self._force_exact or (c.resync_every > 0 and self.version % c.resync_every == 0)
         if topo.nodes == 1:
             # One holder and no slow link: the reference is just the shard.
             self.reference[0] = w
@@ -217,13 +235,19 @@ class WeightGather:
         self.version += 1
         self.dirty = False
 
+    @property
+    def _ref(self) -> torch.Tensor:
+        """The node-resident reference R_l (diff mode, the only mode that has one)."""
+        assert self.reference is not None, "only the diff mode keeps a reference"
+        return self.reference
+
     def _exchange_exact(self, w: torch.Tensor, wire_dtype: torch.dtype) -> None:
         topo = self.topology
         # Send the shard in its own dtype: exact, and no more bytes than an ordinary gather.
         row = w.to(wire_dtype).view(torch.uint8)
         with timing.span("comm.weights"):
             rows, _ = all_gather_rows(row, topo.inter_group)
-        self.reference.copy_(rows.view(wire_dtype).float())
+        self._ref.copy_(rows.view(wire_dtype).float())
         self._force_exact = False
         self._record_refresh(row.numel())
 
@@ -231,13 +255,14 @@ class WeightGather:
         topo = self.topology
         # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
         with timing.span("weights.encode"):
-            row, _, _ = encode_rows(w.view(1, -1), self.spec, ref=self.reference[topo.node].view(1, -1),
-                                    generator=self._generator(w.device))
+            row, _, _ = encode_rows(
+                w.view(1, -1), self.spec, ref=self._ref[topo.node].view(1, -1), generator=self._generator(w.device)
+            )
         with timing.span("comm.weights"):
             rows, _ = all_gather_rows(row.view(-1), topo.inter_group)
         with timing.span("weights.decode"):
             # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
-            decode_rows(rows, self.spec, self.shard_numel, self.reference, add=True)
+            decode_rows(rows, self.spec, self.shard_numel, self._ref, add=True)
             nonfinite = bool(wire_nonfinite(rows, self.spec, self.shard_numel))
         if nonfinite:
             # An inf/nan weight poisons R_l (and so the gathered weights, visibly); the next
@@ -249,35 +274,48 @@ class WeightGather:
         # Baseline: the same elements crossing the link in the compute dtype (a plain gather).
         peers = self.topology.nodes - 1
         valid = self._valid[self.topology.rank]
-        self._rec.record("weights", "inter", bytes=peers * row_bytes, elements=peers * valid,
-                         baseline_bytes=peers * valid * self.dtype.itemsize)
+        self._rec.record(
+            "weights",
+            "inter",
+            bytes=peers * row_bytes,
+            elements=peers * valid,
+            baseline_bytes=peers * valid * self.dtype.itemsize,
+        )
 
     def _mismatch(self) -> bool:
         """Compare the checksum of R_l across its holders (the inter-node group). Every holder
         sees the same gathered sums, so all of them take the same decision."""
         topo = self.topology
         with timing.span("comm.weights"):
-            sums, _ = all_gather_rows(_checksum(self.reference), topo.inter_group)
+            sums, _ = all_gather_rows(_checksum(self._ref), topo.inter_group)
         self._rec.record("weights", "inter", bytes=(topo.nodes - 1) * 16, elements=0)
         if bool((sums == sums[0]).all()):
             return False
         warnings.warn(
             f"sdpq: the weight reference of local index {topo.local_rank} differs between nodes "
-            f"(checksums {sums.tolist()}); resyncing it exactly", ReferenceMismatchWarning, stacklevel=4)
+            f"(checksums {sums.tolist()}); resyncing it exactly",
+            ReferenceMismatchWarning,
+            stacklevel=4,
+        )
         return True
 
     def _gather_reference(self, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
         topo = self.topology
         L, nodes, C = topo.ranks_per_node, topo.nodes, self.shard_numel
         # Note: copy=True: the output must never alias the reference (the next refresh edits it).
-        src = self.reference.to(dtype, copy=True).reshape(-1)
+        src = self._ref.to(dtype, copy=True).reshape(-1)
         with timing.span("comm.weights"):
             rows, _ = all_gather_rows(src, topo.intra_group)  # [L, nodes * C]
         if L > 1:
             itemsize = src.element_size()
             valid = sum(self._valid[n * L + topo.local_rank] for n in range(nodes))
-            self._rec.record("weights", "intra", bytes=(L - 1) * src.numel() * itemsize,
-                             elements=(L - 1) * valid, baseline_bytes=(L - 1) * valid * itemsize)
+            self._rec.record(
+                "weights",
+                "intra",
+                bytes=(L - 1) * src.numel() * itemsize,
+                elements=(L - 1) * valid,
+                baseline_bytes=(L - 1) * valid * itemsize,
+            )
         # [L, nodes, C] -> global order [nodes, L, C]: chunk n * L + l.
         ordered = rows.view(L, nodes, C).transpose(0, 1)
         if into is None:
@@ -293,8 +331,13 @@ class WeightGather:
         valid = self._valid[topo.rank]
         for link, peers in (("intra", L - 1), ("inter", N - L)):
             if peers:
-                self._rec.record("weights", link, bytes=peers * row_bytes, elements=peers * valid,
-                                 baseline_bytes=peers * valid * itemsize)
+                self._rec.record(
+                    "weights",
+                    link,
+                    bytes=peers * row_bytes,
+                    elements=peers * valid,
+                    baseline_bytes=peers * valid * itemsize,
+                )
 
     def _gather_direct(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         topo = self.topology
@@ -304,8 +347,12 @@ class WeightGather:
             rows, _ = all_gather_rows(row.view(-1), topo.world_group)
         with timing.span("weights.decode"):
             # Note: every rank decodes every shard from the same bytes, its own included.
-            full = decode_rows(rows, self.spec, self.shard_numel,
-                               torch.empty((rows.shape[0], self.shard_numel), dtype=torch.float32, device=w.device))
+            full = decode_rows(
+                rows,
+                self.spec,
+                self.shard_numel,
+                torch.empty((rows.shape[0], self.shard_numel), dtype=torch.float32, device=w.device),
+            )
         self._record_world(row.numel(), dtype.itemsize)
         if self._rec.sample_due(self.calls):
             own = full[topo.rank]

@@ -32,7 +32,6 @@ What is patched, and why there (DeepSpeed 0.19.8):
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import os
@@ -45,34 +44,16 @@ from ..comm.agreement import check_agreement
 from ..comm.stats import process_stats
 from ..config import Config
 from ._ds_checkpoint import STATE_FILE, CheckpointMixin
+from ._ds_grads import GradientsMixin, with_suppress
 from ._ds_monitor import install_monitor
 
 __all__ = ["DeepSpeedAdapter", "STATE_FILE"]
-
-# (adapter, bucket key) while an adapter's __avg_scatter_grads runs; read by the dispatcher.
-_ACTIVE_BUCKET: contextvars.ContextVar = contextvars.ContextVar("sdpq_ds_bucket", default=None)
-_RS_PATCH = {"count": 0, "orig": None}
-_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
 
 def _status():
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     return ZeroParamStatus
-
-
-def _stage3():
-    import deepspeed.runtime.zero.stage3 as stage3
-
-    return stage3
-
-
-def _dispatch_reduce_scatter_coalesced(tensors, group=None):
-    active = _ACTIVE_BUCKET.get()
-    if active is None:
-        return _RS_PATCH["orig"](tensors, group)
-    adapter, key = active
-    return adapter._reduce_scatter_coalesced(key, tensors, group)
 
 
 class _Done:
@@ -92,23 +73,27 @@ class _Done:
         self.complete = True
 
 
-class DeepSpeedAdapter(CheckpointMixin):
+class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
     """sdpq's state for one ZeRO-3 engine (``engine.sdpq``): topology, the per-parameter weight
     gathers, the per-bucket gradient reduce-scatters, and the installed hooks.
 
     Built by ``sdpq.deepspeed.initialize`` on every rank (collective: it creates the node groups).
-    Its checkpoint methods (``state_dict``, ``load_state_dict``) are in _ds_checkpoint.py.
+    Its gradient path is in _ds_grads.py, its checkpoint methods (``state_dict``,
+    ``load_state_dict``) in _ds_checkpoint.py.
     """
 
-    def __init__(self, engine, config: Config, ranks_per_node: int):
+    def __init__(self, engine, config: Config):
         self.engine = engine
         self.config = config
         self.optimizer = engine.optimizer
         # This engine's counters (sdpq.stats.of(engine)); the process-wide ones get every record too.
         self.stats = CommStats(config=config.stats, parent=process_stats())
-        self.topology = Topology.build(ranks_per_node)
-        check_agreement("sdpq.deepspeed.initialize", {"config": config.to_dict(), "layout": self.topology.layout},
-                        self.topology.world_group)
+        self.topology = Topology.build(config.topology)
+        check_agreement(
+            "sdpq.deepspeed.initialize",
+            {"config": config.to_dict(), "layout": self.topology.layout},
+            self.topology.world_group,
+        )
         self.params: dict[int, Any] = {}
         for p in engine.module.parameters():
             self.params.setdefault(p.ds_id, p)
@@ -133,7 +118,7 @@ class DeepSpeedAdapter(CheckpointMixin):
     def mark_weights_changed(self, params=None, *, exact: bool = True) -> None:
         """The partitions of `params` (default: all) changed outside DeepSpeed's view: their next
         gather refreshes the reference (exactly when `exact`). Call on every rank."""
-        for p in (self.params.values() if params is None else params):
+        for p in self.params.values() if params is None else params:
             wg = self.weights.get(p.ds_id)
             if wg is not None:
                 wg.mark_weights_changed(exact=exact)
@@ -154,8 +139,13 @@ class DeepSpeedAdapter(CheckpointMixin):
         from ..optim import AdamW
 
         z = self.optimizer
-        if (not isinstance(getattr(z, "optimizer", None), AdamW) or z.optimizer.state or z.offload_optimizer
-                or getattr(z, "swap_optimizer", False) or getattr(z, "params_in_nvme_and_cpu", False)):
+        if (
+            not isinstance(getattr(z, "optimizer", None), AdamW)
+            or z.optimizer.state
+            or z.offload_optimizer
+            or getattr(z, "swap_optimizer", False)
+            or getattr(z, "params_in_nvme_and_cpu", False)
+        ):
             return
         for i, (lp, hp) in enumerate(zip(z.fp16_partitioned_groups_flat, z.fp32_partitioned_groups_flat)):
             if lp is None or lp is hp or lp.dtype != hp.dtype or lp.device != hp.device or lp.shape != hp.shape:
@@ -175,11 +165,20 @@ class DeepSpeedAdapter(CheckpointMixin):
             cap = max(32, 1 << max(0, p.ds_tensor.ds_numel - 1).bit_length())
             if cap < wcfg.group_size:
                 wcfg = dataclasses.replace(wcfg, group_size=cap)
-            wg = WeightGather(p.ds_numel, self.topology, wcfg, dtype=p.ds_tensor.dtype,
-                              device=p.ds_tensor.device, stats=self.config.stats, record_to=self.stats)
+            wg = WeightGather(
+                p.ds_numel,
+                self.topology,
+                wcfg,
+                dtype=p.ds_tensor.dtype,
+                device=p.ds_tensor.device,
+                stats=self.config.stats,
+                record_to=self.stats,
+            )
             if wg.shard_numel != p.ds_tensor.ds_numel:
-                raise RuntimeError(f"sdpq: parameter ds_id={p.ds_id} has ZeRO partitions of {p.ds_tensor.ds_numel} "
-                                   f"elements, sdpq expected {wg.shard_numel}")
+                raise RuntimeError(
+                    f"sdpq: parameter ds_id={p.ds_id} has ZeRO partitions of {p.ds_tensor.ds_numel} "
+                    f"elements, sdpq expected {wg.shard_numel}"
+                )
             self.weights[p.ds_id] = wg
         return wg
 
@@ -249,6 +248,7 @@ class DeepSpeedAdapter(CheckpointMixin):
             def undo(p=p, saved=saved):
                 for n, f in saved.items():
                     setattr(p, n, f)
+
             self._undo.append(undo)
 
         opt = self.optimizer
@@ -262,82 +262,6 @@ class DeepSpeedAdapter(CheckpointMixin):
 
         opt._reassign_or_swap_out_partitioned_parameters = reassign
         self._undo.append(lambda: with_suppress(lambda: delattr(opt, "_reassign_or_swap_out_partitioned_parameters")))
-
-    # ------------------------------------------------------------------ gradients
-
-    def _grad_rs(self, key: tuple) -> GradReduceScatter:
-        grs = self.grads.get(key)
-        if grs is None:
-            N = self.topology.world_size
-            numel = N * sum(-(-n // N) for n in key[1])
-            # The gradients' device: residuals and rounding generators restored from a checkpoint
-            # must live where the gradients are (CUDA on a GPU cluster).
-            device = self.params[key[0][0]].ds_tensor.device
-            grs = GradReduceScatter(numel, self.topology, self.config.gradients, device=device,
-                                    stats=self.config.stats, record_to=self.stats)
-            self.grads[key] = grs
-        return grs
-
-    def _reduce_scatter_coalesced(self, key, tensors, group):
-        """DeepSpeed's reduce_scatter_coalesced (same layout, same averaging) on sdpq's collective."""
-        self.topology.check_group(group)
-        N, rank = self.topology.world_size, self.topology.rank
-        numels = tuple(t.numel() for t in tensors)
-        grs = self._grad_rs((key, numels))
-        chunks = [-(-n // N) for n in numels]
-        total = sum(chunks)
-        dtype, device = tensors[0].dtype, tensors[0].device
-        # Interleave: row r holds chunk r of every tensor, zero-padded (DeepSpeed pads with garbage;
-        # a quantization group must not see it).
-        flat = torch.zeros((N, total), dtype=dtype, device=device)
-        off = 0
-        for t, c in zip(tensors, chunks):
-            src = t.reshape(-1)
-            padded = torch.zeros(N * c, dtype=dtype, device=device)
-            padded[: src.numel()] = src
-            flat[:, off:off + c] = padded.view(N, c)
-            off += c
-        flat = flat.view(-1)
-        if self.config.gradients.mode == "exact":
-            flat.div_(N)  # Note: DeepSpeed's pre-division, in the gradient dtype: bitwise its average
-            out = grs(flat)
-        else:
-            out32 = torch.empty(total, dtype=torch.float32, device=device)
-            grs(flat, out=out32)
-            out = out32.div_(N).to(dtype)  # sum in fp32, divide once
-        res, off = [], 0
-        for n, c in zip(numels, chunks):
-            res.append(out.narrow(0, off, max(0, min(c, n - rank * c))))
-            off += c
-        return res
-
-    def _install_grads(self) -> None:
-        stage3 = _stage3()
-        if _RS_PATCH["count"] == 0:
-            _RS_PATCH["orig"] = stage3.reduce_scatter_coalesced
-            stage3.reduce_scatter_coalesced = _dispatch_reduce_scatter_coalesced
-        _RS_PATCH["count"] += 1
-
-        def unpatch():
-            _RS_PATCH["count"] -= 1
-            if _RS_PATCH["count"] == 0:
-                stage3.reduce_scatter_coalesced = _RS_PATCH["orig"]
-                _RS_PATCH["orig"] = None
-        self._undo.append(unpatch)
-
-        opt = self.optimizer
-        orig = getattr(opt, _AVG_SCATTER)
-
-        def avg_scatter_grads(params_to_reduce, communication_data_type, *a, **kw):
-            key = tuple(p.ds_id for p in params_to_reduce)
-            token = _ACTIVE_BUCKET.set((self, key))
-            try:
-                return orig(params_to_reduce, communication_data_type, *a, **kw)
-            finally:
-                _ACTIVE_BUCKET.reset(token)
-
-        setattr(opt, _AVG_SCATTER, avg_scatter_grads)
-        self._undo.append(lambda: with_suppress(lambda: delattr(opt, _AVG_SCATTER)))
 
     # ------------------------------------------------------------------ engine: checkpoints, teardown
 
@@ -372,6 +296,7 @@ class DeepSpeedAdapter(CheckpointMixin):
         def undo():
             for n in ("save_checkpoint", "load_checkpoint", "destroy"):
                 with_suppress(lambda n=n: eng.__dict__.pop(n))
+
         self._undo.append(undo)
         eng.sdpq = self
 
@@ -381,10 +306,3 @@ class DeepSpeedAdapter(CheckpointMixin):
         for p in sorted(self.params.values(), key=lambda p: p.ds_id):
             if p.ds_status == status.AVAILABLE:
                 self._gather_into(p)
-
-
-def with_suppress(fn) -> None:
-    try:
-        fn()
-    except (AttributeError, KeyError):
-        pass

@@ -18,25 +18,33 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ._ds_state import AdapterState
+
 __all__ = ["CheckpointMixin", "STATE_FILE"]
 
 STATE_FILE = "sdpq_rank{rank:05d}.pt"
 _FORMAT = 1
 
 
-class CheckpointMixin:
-    """The checkpoint half of DeepSpeedAdapter. Uses the adapter's topology, config, params,
-    weights, grads, _index / _ds_id (ds_id <-> position), _weight_gather, _grad_rs,
-    mark_weights_changed and _regather_available."""
+class CheckpointMixin(AdapterState):
+    """The checkpoint part of DeepSpeedAdapter."""
 
     def state_dict(self) -> dict:
         """Per-rank sdpq state: weight references (+ dirty flags), gradient error feedback and
         rounding streams. Saved next to DeepSpeed's files by engine.save_checkpoint."""
         weights = {self._index[i]: wg.state_dict() for i, wg in self.weights.items()}
-        grads = {(tuple(self._index[i] for i in ids), numels): g.state_dict()
-                 for (ids, numels), g in self.grads.items()}
-        return {"format": _FORMAT, "layout": self.topology.layout, "rank": self.topology.rank,
-                "config": self.config.to_dict(), "num_params": len(self._ds_id), "weights": weights, "grads": grads}
+        grads = {
+            (tuple(self._index[i] for i in ids), numels): g.state_dict() for (ids, numels), g in self.grads.items()
+        }
+        return {
+            "format": _FORMAT,
+            "layout": self.topology.layout,
+            "rank": self.topology.rank,
+            "config": self.config.to_dict(),
+            "num_params": len(self._ds_id),
+            "weights": weights,
+            "grads": grads,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; raises ValueError if it does not fit this run."""
@@ -77,13 +85,17 @@ class CheckpointMixin:
         # Every rank must take the same decision (each reads its own file).
         ok = torch.tensor([0 if problem else 1], dtype=torch.int64)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item():
+        if ok.item() and state is not None:  # (state is None only where ok is 0)
             self.load_state_dict(state)
         else:
             if self.topology.rank == 0:
-                warnings.warn(f"sdpq: checkpoint {ckpt_dir}: {problem or 'another rank cannot use its sdpq state'}; "
-                              "the weight references are refreshed exactly at the first gather and the "
-                              "error-feedback residuals restart from zero", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"sdpq: checkpoint {ckpt_dir}: {problem or 'another rank cannot use its sdpq state'}; "
+                    "the weight references are refreshed exactly at the first gather and the "
+                    "error-feedback residuals restart from zero",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
             for grs in self.grads.values():
                 grs.reset_error_feedback()
             self.mark_weights_changed(exact=True)
@@ -93,8 +105,10 @@ class CheckpointMixin:
         if state.get("format") != _FORMAT:
             return f"state format {state.get('format')!r}, expected {_FORMAT}"
         if state.get("layout") != self.topology.layout or state.get("rank") != self.topology.rank:
-            return f"saved on rank {state.get('rank')} of layout {state.get('layout')}, loading on rank " \
-                   f"{self.topology.rank} of {self.topology.layout}"
+            return (
+                f"saved on rank {state.get('rank')} of layout {state.get('layout')}, loading on rank "
+                f"{self.topology.rank} of {self.topology.layout}"
+            )
         saved_w, mine_w = state.get("config", {}).get("weights"), self.config.weights.to_dict()
         for k in ("mode", "bits", "group_size"):
             if (saved_w or {}).get(k) != mine_w[k]:

@@ -5,7 +5,7 @@ before it builds an engine, and the config DeepSpeed then gets. No torch import 
 from __future__ import annotations
 
 import copy
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..config import Config
 
@@ -24,41 +24,55 @@ def _sdpq_optimizer(ds: dict, cfg: Config, a: dict):
     oc = cfg.optimizer
     if a.get("optimizer") is not None:
         raise IncompatibleConfigError(
-            "sdpq.optimizer.enabled is true (the default when an \"sdpq\" block is present), but an optimizer "
-            "was passed to initialize(): drop it (sdpq builds AdamW from the \"optimizer\" block) or set "
-            "\"sdpq\": {\"optimizer\": {\"enabled\": false}} to keep yours")
+            'sdpq.optimizer.enabled is true (the default when an "sdpq" block is present), but an optimizer '
+            'was passed to initialize(): drop it (sdpq builds AdamW from the "optimizer" block) or set '
+            '"sdpq": {"optimizer": {"enabled": false}} to keep yours'
+        )
     block = ds.get("optimizer")
     if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
         raise IncompatibleConfigError(
-            "sdpq.optimizer.enabled needs the DeepSpeed \"optimizer\" block ({\"type\": \"AdamW\", \"params\": "
-            "{...}}) for its hyperparameters, or set \"sdpq\": {\"optimizer\": {\"enabled\": false}}")
+            'sdpq.optimizer.enabled needs the DeepSpeed "optimizer" block ({"type": "AdamW", "params": '
+            '{...}}) for its hyperparameters, or set "sdpq": {"optimizer": {"enabled": false}}'
+        )
     kind = block["type"].lower()
     params = dict(block.get("params", {}))
     unknown = sorted(set(params) - _OPT_KEYS)
     if kind not in ("adamw", "adam") or unknown or params.get("amsgrad"):
-        got = (f"unsupported params {', '.join(unknown)}" if unknown else "amsgrad" if params.get("amsgrad")
-               else f"type {block['type']!r}")
+        got = (
+            f"unsupported params {', '.join(unknown)}"
+            if unknown
+            else "amsgrad"
+            if params.get("amsgrad")
+            else f"type {block['type']!r}"
+        )
         raise IncompatibleConfigError(
             f"sdpq.optimizer.enabled replaces the DeepSpeed optimizer with sdpq AdamW, which takes type Adam/AdamW "
-            f"with params lr, betas, eps, weight_decay; got {got}. Set \"sdpq\": {{\"optimizer\": "
-            f"{{\"enabled\": false}}}} to keep DeepSpeed's optimizer")
+            f'with params lr, betas, eps, weight_decay; got {got}. Set "sdpq": {{"optimizer": '
+            f'{{"enabled": false}}}} to keep DeepSpeed\'s optimizer'
+        )
     if kind == "adam" and not params.get("adam_w_mode", True):
-        raise IncompatibleConfigError("sdpq AdamW decays weights decoupled (adam_w_mode true); "
-                                      "\"adam_w_mode\": false (L2 Adam) is not supported")
-    hp = dict(lr=float(params.get("lr", 1e-3)), betas=tuple(params.get("betas", (0.9, 0.999))),
-              eps=float(params.get("eps", 1e-8)),
-              weight_decay=float(params.get("weight_decay", 0.01 if kind == "adamw" else 0.0)))
+        raise IncompatibleConfigError(
+            'sdpq AdamW decays weights decoupled (adam_w_mode true); "adam_w_mode": false (L2 Adam) is not supported'
+        )
+    hp = dict(
+        lr=float(params.get("lr", 1e-3)),
+        betas=tuple(params.get("betas", (0.9, 0.999))),
+        eps=float(params.get("eps", 1e-8)),
+        weight_decay=float(params.get("weight_decay", 0.01 if kind == "adamw" else 0.0)),
+    )
     if oc.master == "mcf":
         bf16 = ds.get("bf16") or ds.get("bfloat16") or {}
         if not bf16.get("enabled", False):
             raise IncompatibleConfigError(
                 "sdpq.optimizer.master: 'mcf' keeps bf16 weights plus a bf16 compensation and needs "
-                "\"bf16\": {\"enabled\": true}; set \"master\": \"native\" for fp32/fp16 training")
+                '"bf16": {"enabled": true}; set "master": "native" for fp32/fp16 training'
+            )
         for flag in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
             if bf16.get(flag) is False:
                 raise IncompatibleConfigError(
                     f"sdpq.optimizer.master: 'mcf' replaces the fp32 master copy, which needs bf16.{flag} "
-                    "true (it is set automatically when absent); remove the false or use master 'native'")
+                    "true (it is set automatically when absent); remove the false or use master 'native'"
+                )
 
     def build(model_parameters):
         import torch.distributed as dist
@@ -67,9 +81,7 @@ def _sdpq_optimizer(ds: dict, cfg: Config, a: dict):
 
         # sync_group: a non-finite gradient skips the step on every rank (ZeRO-3 partitions are
         # plain tensors; DeepSpeed's own norm check normally catches it first).
-        return AdamW(model_parameters, **hp, states=oc.states, master=oc.master,
-                     mcf_second_moment=oc.mcf_second_moment, group_size=oc.group_size, v_format=oc.v_format,
-                     sync_group=dist.group.WORLD)
+        return AdamW.from_config(model_parameters, oc, **hp, sync_group=dist.group.WORLD)
 
     return build
 
@@ -80,24 +92,34 @@ def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
     stage = int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
     if stage != 3:
         raise IncompatibleConfigError(
-            f"the \"sdpq\" block works with ZeRO stage 3 (it replaces ZeRO-3's parameter gathers and gradient "
-            f"reduce-scatter); this config has zero_optimization.stage {stage}. Set \"stage\": 3, or remove "
-            f"the \"sdpq\" block (or leave it empty) to train with plain DeepSpeed")
-    clash = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
-             if zero.get(k)]
-    clash += [k for k, off in (("zero_hpz_partition_size", 1), ("mics_shard_size", 0))
-              if isinstance(zero.get(k), int) and zero[k] > off]
+            f'the "sdpq" block works with ZeRO stage 3 (it replaces ZeRO-3\'s parameter gathers and gradient '
+            f'reduce-scatter); this config has zero_optimization.stage {stage}. Set "stage": 3, or remove '
+            f'the "sdpq" block (or leave it empty) to train with plain DeepSpeed'
+        )
+    clash = [
+        k
+        for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+        if zero.get(k)
+    ]
+    clash += [
+        k
+        for k, off in (("zero_hpz_partition_size", 1), ("mics_shard_size", 0))
+        if isinstance(zero.get(k), int) and zero[k] > off
+    ]
     if clash:
         raise IncompatibleConfigError(
-            f"zero_optimization.{clash[0]} (DeepSpeed ZeRO++/MiCS) replaces the same collectives as the \"sdpq\" "
-            "block; use one or the other (see ds_configs/zero3_zeropp.json for ZeRO++ alone)")
+            f'zero_optimization.{clash[0]} (DeepSpeed ZeRO++/MiCS) replaces the same collectives as the "sdpq" '
+            "block; use one or the other (see ds_configs/zero3_zeropp.json for ZeRO++ alone)"
+        )
     if zero.get("reduce_scatter") is False:
-        raise IncompatibleConfigError("sdpq's gradient path is ZeRO-3's reduce-scatter: remove "
-                                      "zero_optimization.reduce_scatter false")
+        raise IncompatibleConfigError(
+            "sdpq's gradient path is ZeRO-3's reduce-scatter: remove zero_optimization.reduce_scatter false"
+        )
     offload = zero.get("offload_param") or {}
     if isinstance(offload, Mapping) and offload.get("device") == "nvme":
-        raise IncompatibleConfigError("zero_optimization.offload_param to nvme is not supported with the "
-                                      "\"sdpq\" block (cpu offload is)")
+        raise IncompatibleConfigError(
+            'zero_optimization.offload_param to nvme is not supported with the "sdpq" block (cpu offload is)'
+        )
     out = copy.deepcopy(ds)
     out.pop("sdpq", None)
     if cfg.optimizer.enabled:
@@ -110,11 +132,14 @@ def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
                 raise IncompatibleConfigError(
                     "zero_optimization.offload_optimizer with sdpq.optimizer.master 'mcf': DeepSpeed runs its bf16 "
                     "master-weights mode (which the MCF master uses) with an offloaded optimizer only through its own "
-                    "CPU Adam. Set \"sdpq\": {\"optimizer\": {\"master\": \"native\"}} to offload sdpq's AdamW, "
-                    "or remove offload_optimizer")
+                    'CPU Adam. Set "sdpq": {"optimizer": {"master": "native"}} to offload sdpq\'s AdamW, '
+                    "or remove offload_optimizer"
+                )
             if opt_offload.get("device") != "cpu":
-                raise IncompatibleConfigError(f"zero_optimization.offload_optimizer.device "
-                                              f"{opt_offload.get('device')!r} with sdpq's AdamW; allowed: 'cpu'")
+                raise IncompatibleConfigError(
+                    f"zero_optimization.offload_optimizer.device "
+                    f"{opt_offload.get('device')!r} with sdpq's AdamW; allowed: 'cpu'"
+                )
             # Note: sdpq's AdamW (C++ kernels on CPU) then steps the offloaded partitions in place
             # of DeepSpeed's CPU Adam, which DeepSpeed only allows with this flag.
             out["zero_force_ds_cpu_optimizer"] = False

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,8 +56,9 @@ def _save_weights(wg: WeightGather, p: str, out: dict[str, torch.Tensor]) -> Non
         # Note: before the first gather there is no reference yet; a zero placeholder of the right
         # shape (version -1) keeps the saved keys and shapes independent of history.
         out[p + "weights.version"] = torch.tensor(s["version"] if ref is not None else -1, dtype=torch.int64)
-        out[p + "weights.reference"] = (ref if ref is not None else
-                                       torch.zeros((wg.topology.nodes, wg.shard_numel), dtype=wg.reference_dtype))
+        out[p + "weights.reference"] = (
+            ref if ref is not None else torch.zeros((wg.topology.nodes, wg.shard_numel), dtype=wg.reference_dtype)
+        )
     if s["generator"] is not None:
         out[p + "weights.rng"] = s["generator"]
 
@@ -65,8 +67,9 @@ def _save_gradients(rs: GradReduceScatter, q: str, out: dict[str, torch.Tensor])
     s = rs.state_dict()
     if _has_residual(rs):
         res = s["residual"]
-        out[q + "residual"] = (res if res is not None else
-                               torch.zeros((rs.topology.nodes, rs.padded_chunk), dtype=torch.float32))
+        out[q + "residual"] = (
+            res if res is not None else torch.zeros((rs.topology.nodes, rs.padded_chunk), dtype=torch.float32)
+        )
     if s["generator"] is not None:
         out[q + "rng"] = s["generator"]
 
@@ -130,7 +133,7 @@ def _other_layout(template: Mapping[str, torch.Tensor], checkpoint_id, group) ->
     problem = None
     for key, t in template.items():
         # The caller nests our dict under a key of its choice: DCP stores "<their key>.<ours>".
-        hits = [size for k, size in saved.items() if k == key or k.endswith("." + key)]
+        hits = [size for k, size in saved.items() if size is not None and (k == key or k.endswith("." + key))]
         if not hits or tuple(hits[0]) != tuple(t.shape):
             problem = f"{key}: saved {tuple(hits[0]) if hits else 'nothing'}, this run {tuple(t.shape)}"
             break
@@ -144,9 +147,13 @@ def _other_layout(template: Mapping[str, torch.Tensor], checkpoint_id, group) ->
 def _rebuild(model: nn.Module, why: str) -> None:
     """Resume without sdpq's saved state: exact reference refresh, residuals from zero."""
     if dist.get_rank() == 0:
-        warnings.warn(f"sdpq.fsdp.load_state_dict: the checkpoint's sdpq state is of another layout ({why}); "
-                      "the weight references are refreshed exactly at the first gather and the error-feedback "
-                      "residuals restart from zero", ResumeLayoutWarning, stacklevel=3)
+        warnings.warn(
+            f"sdpq.fsdp.load_state_dict: the checkpoint's sdpq state is of another layout ({why}); "
+            "the weight references are refreshed exactly at the first gather and the error-feedback "
+            "residuals restart from zero",
+            ResumeLayoutWarning,
+            stacklevel=3,
+        )
     for c in applied(model).comms:
         c.weights.mark_weights_changed(exact=True)
         for rs in c.gradients.values():
@@ -171,7 +178,8 @@ def load_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None
             raise ValueError(
                 f"sdpq.fsdp.load_state_dict: no state for {c.fqn or '<root>'} with layout (world, ranks_per_node, "
                 f"numel) = {mine} (saved: {None if layout is None else layout.tolist()}); to resume on another "
-                "layout, build the template with sdpq.fsdp.state_dict(model, checkpoint_id=<the checkpoint>)")
+                "layout, build the template with sdpq.fsdp.state_dict(model, checkpoint_id=<the checkpoint>)"
+            )
         c.weights.load_state_dict(_weights_state(c.weights, p, state))
         for numel, rs in c.gradients.items():
             s = _gradients_state(p + f"gradients.{numel}.", state)

@@ -23,8 +23,16 @@ try:  # FSDP2's comm interfaces (private module; the public methods take instanc
 except ImportError as e:  # pragma: no cover - torch without FSDP2 custom comms
     raise ImportError(f"sdpq.fsdp needs torch >= 2.8 with FSDP2 custom comm hooks ({e})") from e
 
-__all__ = ["ROOT_ATTR", "MODULE_ATTR", "StaleWeightsWarning", "ModuleComms", "SdpqAllGather",
-           "SdpqReduceScatter", "Applied", "applied"]
+__all__ = [
+    "ROOT_ATTR",
+    "MODULE_ATTR",
+    "StaleWeightsWarning",
+    "ModuleComms",
+    "SdpqAllGather",
+    "SdpqReduceScatter",
+    "Applied",
+    "applied",
+]
 
 ROOT_ATTR = "_sdpq_fsdp"  # on the model: its Applied
 MODULE_ATTR = "_sdpq_fsdp_comms"  # on every hooked FSDP module: its ModuleComms
@@ -59,8 +67,14 @@ class ModuleComms:
     def gradient_comm(self, numel: int) -> GradReduceScatter:
         rs = self.gradients.get(numel)
         if rs is None:
-            rs = GradReduceScatter(numel, self.topology, self.config.gradients, device=self.param_group.device,
-                                   stats=self.config.stats, record_to=self.stats)
+            rs = GradReduceScatter(
+                numel,
+                self.topology,
+                self.config.gradients,
+                device=self.param_group.device,
+                stats=self.config.stats,
+                record_to=self.stats,
+            )
             self.gradients[numel] = rs
         return rs
 
@@ -101,7 +115,8 @@ class SdpqAllGather(AllGather):
             raise RuntimeError(
                 f"sdpq ({c.fqn or '<root>'}): FSDP all-gather input of {input_tensor.numel()} "
                 f"{input_tensor.dtype} elements, expected {c.gather_input_numel} floats (tensor "
-                "subclasses with fsdp_pre_all_gather, e.g. fp8 all-gather, are not supported)")
+                "subclasses with fsdp_pre_all_gather, e.g. fp8 all-gather, are not supported)"
+            )
         wg = c.weights
         if wg.config.mode == "diff":
             versions = c.shard_versions()
@@ -114,7 +129,9 @@ class SdpqAllGather(AllGather):
                     "not marked: the gathered weights are the previous version. Pass the optimizer to "
                     "sdpq.fsdp.apply, or call sdpq.fsdp.mark_weights_changed(model) after changing "
                     "weights (or sdpq.fsdp.load_state_dict after a checkpoint load)",
-                    StaleWeightsWarning, stacklevel=2)
+                    StaleWeightsWarning,
+                    stacklevel=2,
+                )
         wg.gather(input_tensor, out=output_tensor)
         return None  # synchronous: FSDP accepts None for the work handle
 

@@ -55,7 +55,7 @@ def topology_for_mesh_dim(world: Topology, mesh, mesh_dim: int, group, *, timeou
     intra = inter = None
     for g, (nodes_g, L_g) in zip(all_groups, layouts):
         # Rows: node' (group ranks n'*L' .. n'*L'+L'-1); columns: local index l'.
-        grid = [g[n * L_g:(n + 1) * L_g] for n in range(nodes_g)]
+        grid = [g[n * L_g : (n + 1) * L_g] for n in range(nodes_g)]
         if L_g > 1:
             for row in grid:
                 pg = dist.new_group(row, **kwargs)
@@ -67,5 +67,11 @@ def topology_for_mesh_dim(world: Topology, mesh, mesh_dim: int, group, *, timeou
                 if me in col:
                     inter = pg
     nodes_own, L_own = group_layout(sorted(own), L)
-    return Topology(world_size=len(own), ranks_per_node=L_own, rank=sorted(own).index(me),
-                    intra_group=intra, inter_group=inter, world_group=group)
+    return Topology(
+        world_size=len(own),
+        ranks_per_node=L_own,
+        rank=sorted(own).index(me),
+        intra_group=intra,
+        inter_group=inter,
+        world_group=group,
+    )

@@ -31,7 +31,7 @@ import importlib
 import inspect
 import os
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
 
 from ..config import Config, ConfigError
 from ._ds_adapter import STATE_FILE, DeepSpeedAdapter
@@ -79,10 +79,12 @@ def check_deepspeed_version(version: str | None = None) -> str:
         version = deepspeed.__version__
     lo, hi = TESTED_DEEPSPEED
     if not (_release(lo) <= _release(version) < _release(hi)):
-        msg = (f"sdpq.deepspeed is tested with DeepSpeed >={lo},<{hi}, but DeepSpeed {version} is installed. "
-               f"sdpq replaces ZeRO-3 internals (parameter gathers, stage3.reduce_scatter_coalesced) that change "
-               f"between releases. Install a tested version (pip install 'deepspeed>={lo},<{hi}') or set "
-               f"{ALLOW_UNTESTED_ENV}=1 to try this one anyway.")
+        msg = (
+            f"sdpq.deepspeed is tested with DeepSpeed >={lo},<{hi}, but DeepSpeed {version} is installed. "
+            f"sdpq replaces ZeRO-3 internals (parameter gathers, stage3.reduce_scatter_coalesced) that change "
+            f"between releases. Install a tested version (pip install 'deepspeed>={lo},<{hi}') or set "
+            f"{ALLOW_UNTESTED_ENV}=1 to try this one anyway."
+        )
         if os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0"):
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
         else:
@@ -126,27 +128,14 @@ def _load_config(a: dict) -> tuple[dict | None, str | None]:
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
     args = a.get("args")
-    for where, value in (("config", a.get("config")), ("config_params", a.get("config_params")),
-                         ("args.deepspeed_config", getattr(args, "deepspeed_config", None))):
+    for where, value in (
+        ("config", a.get("config")),
+        ("config_params", a.get("config_params")),
+        ("args.deepspeed_config", getattr(args, "deepspeed_config", None)),
+    ):
         if value is not None:
             return (dict(value) if isinstance(value, Mapping) else load_ds_config(value)), where
     return None, None
-
-
-def _ranks_per_node(cfg: Config) -> int:
-    """topology.ranks_per_node, with "auto" read from any launcher's environment: torchrun
-    (LOCAL_WORLD_SIZE), the deepspeed launcher (LOCAL_SIZE), Open MPI / MPICH / Slurm."""
-    rpn = cfg.topology.ranks_per_node
-    if rpn != "auto":
-        return rpn
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    raise ConfigError("sdpq.topology.ranks_per_node: 'auto' found no launcher variable (LOCAL_WORLD_SIZE, "
-                      "LOCAL_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE); "
-                      "give the number of ranks per node as an integer")
 
 
 def initialize(*args, **kwargs):
@@ -172,6 +161,8 @@ def _read_arguments(ds_initialize, args: tuple, kwargs: dict) -> tuple[dict, dic
 
 def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
     block = _block(ds)
+    if ds is None:  # no config at all: DeepSpeed's own error
+        return ds_initialize(**a)
     with _no_shm_op_build():
         if block is None or (isinstance(block, Mapping) and len(block) == 0):
             if block is not None:  # an empty block: plain DeepSpeed, without the unknown key
@@ -179,6 +170,7 @@ def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
                 _drop_other_sources(a, where)
             return ds_initialize(**a)
         cfg = Config.from_deepspeed(ds)  # ConfigError names the key path of a typo
+        assert cfg is not None  # the block is not empty
         check_deepspeed_version()
         a["config"] = prepare_config(ds, cfg, a)
         _drop_other_sources(a, where)
@@ -187,9 +179,10 @@ def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     if not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
-        raise IncompatibleConfigError(f"the \"sdpq\" block needs DeepSpeed's ZeRO-3 optimizer; the engine has "
-                                      f"{type(engine.optimizer).__name__}")
-    DeepSpeedAdapter(engine, cfg, _ranks_per_node(cfg))
+        raise IncompatibleConfigError(
+            f'the "sdpq" block needs DeepSpeed\'s ZeRO-3 optimizer; the engine has {type(engine.optimizer).__name__}'
+        )
+    DeepSpeedAdapter(engine, cfg)
     return result
 
 
@@ -207,7 +200,7 @@ def wrap_deepspeed(module) -> None:
                 return original(*args, **kwargs)
             return _initialize(original, a, ds, where)
 
-        initialize.__sdpq_original__ = original
+        initialize.__sdpq_original__ = original  # type: ignore[attr-defined]
         module.initialize = initialize
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -220,13 +213,14 @@ def wrap_deepspeed(module) -> None:
             ds = getattr(kwargs.get("config_class"), "_param_dict", None) or kwargs.get("config")
             if isinstance(ds, Mapping) and _block(ds):
                 raise IncompatibleConfigError(
-                    "this DeepSpeed config has an \"sdpq\" block, but the engine is being built without sdpq "
+                    'this DeepSpeed config has an "sdpq" block, but the engine is being built without sdpq '
                     "(deepspeed.initialize was bound before `import sdpq`, or DeepSpeedEngine is built directly), "
                     "so the block would be ignored: import sdpq before deepspeed, or call "
-                    "sdpq.deepspeed.initialize")
+                    "sdpq.deepspeed.initialize"
+                )
             engine_init(self, *args, **kwargs)
 
-        guarded_init.__sdpq_original__ = engine_init
+        guarded_init.__sdpq_original__ = engine_init  # type: ignore[attr-defined]
         DeepSpeedEngine.__init__ = guarded_init
 
 

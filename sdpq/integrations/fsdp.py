@@ -44,7 +44,8 @@ hooks FSDP calls, `_fsdp_checkpoint.py` the DCP state, `_fsdp_topology.py` the H
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,12 +54,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 from ..comm import CommStats, Topology, WeightGather
-from ..comm.stats import process_stats
 from ..comm.agreement import check_agreement
+from ..comm.stats import process_stats
 from ..config import Config
 from ._fsdp_checkpoint import ResumeLayoutWarning, load_state_dict, state_dict  # re-exported as sdpq.fsdp.*
-from ._fsdp_hooks import (MODULE_ATTR, ROOT_ATTR, Applied, ModuleComms, SdpqAllGather, SdpqReduceScatter,
-                          StaleWeightsWarning, applied)
+from ._fsdp_hooks import (
+    MODULE_ATTR,
+    ROOT_ATTR,
+    Applied,
+    ModuleComms,
+    SdpqAllGather,
+    SdpqReduceScatter,
+    StaleWeightsWarning,
+    applied,
+)
 from ._fsdp_topology import topology_for_mesh_dim
 
 __all__ = [
@@ -88,7 +97,7 @@ def _as_config(config: Config | Mapping[str, Any] | None) -> Config:
     raise TypeError(f"sdpq.fsdp.apply: config must be a sdpq.Config, a dict or None, got {type(config).__name__}")
 
 
-def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _fsdp_modules(model: nn.Module) -> list[tuple[str, Any]]:  # (name, an nn.Module that is an FSDPModule)
     return [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
@@ -108,17 +117,21 @@ def _unwrapped(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     Note: framework wrappers (Accelerate's AcceleratedOptimizer) subclass Optimizer without running
     its __init__ and call the wrapped optimizer's step, so step hooks belong on the wrapped one;
     a step the wrapper skips (while accumulating gradients) then marks nothing."""
-    while not hasattr(opt, "_optimizer_step_post_hooks") and isinstance(getattr(opt, "optimizer", None),
-                                                                         torch.optim.Optimizer):
-        opt = opt.optimizer
+    while not hasattr(opt, "_optimizer_step_post_hooks"):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        opt = inner
     return opt
 
 
-def _param_group_of(name: str, module: nn.Module):
+def _param_group_of(name: str, module: Any):
     groups = module._get_fsdp_state()._fsdp_param_groups
     if len(groups) > 1:
-        raise ValueError(f"sdpq.fsdp: FSDP module {name or '<root>'} has {len(groups)} param groups "
-                         "(per-parameter meshes); sdpq supports one per FSDP module")
+        raise ValueError(
+            f"sdpq.fsdp: FSDP module {name or '<root>'} has {len(groups)} param groups "
+            "(per-parameter meshes); sdpq supports one per FSDP module"
+        )
     if not groups:
         return None
     pg = groups[0]
@@ -129,14 +142,80 @@ def _param_group_of(name: str, module: nn.Module):
         raise ValueError(
             f"sdpq.fsdp: FSDP module {name or '<root>'} uses reshard_after_forward=<int> (resharding to a "
             "smaller group after forward); sdpq supports True/False. sdpq's 'diff' weights already keep "
-            "a node-resident copy (like hpZ): use reshard_after_forward=True")
+            "a node-resident copy (like hpZ): use reshard_after_forward=True"
+        )
     if any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather") for fp in pg.fsdp_params):
-        raise ValueError(f"sdpq.fsdp: FSDP module {name or '<root>'} holds tensor subclasses with "
-                         "fsdp_pre_all_gather (e.g. float8 all-gather); sdpq replaces the all-gather itself")
+        raise ValueError(
+            f"sdpq.fsdp: FSDP module {name or '<root>'} holds tensor subclasses with "
+            "fsdp_pre_all_gather (e.g. float8 all-gather); sdpq replaces the all-gather itself"
+        )
     return pg
 
 
 # ----------------------------------------------------------------------------- public API
+
+
+def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    modules = _fsdp_modules(model)
+    if not modules:
+        raise TypeError(
+            f"sdpq.fsdp.apply: {type(model).__name__} has no FSDP module: shard it first with "
+            "torch.distributed.fsdp.fully_shard (per block, then the root), then call apply"
+        )
+    if hasattr(model, ROOT_ATTR) or any(hasattr(m, MODULE_ATTR) for _, m in modules):
+        raise RuntimeError(
+            "sdpq.fsdp.apply: sdpq is already applied to this model (or a part of it); "
+            "call sdpq.fsdp.remove(model) before applying it again"
+        )
+    return modules
+
+
+def _module_comms(name: str, module: nn.Module, pg, topo: Topology, cfg: Config, stats: CommStats) -> ModuleComms:
+    """The weight gather and gradient reduce-scatter of one FSDP module's parameter group."""
+    params = pg.fsdp_params
+    gather_in = sum(fp.padded_sharded_param_size.numel() for fp in params)
+    grad_in = sum(fp.padded_sharded_param_size.numel() for fp in params if fp.sharded_param.requires_grad)
+    dtype = pg.mp_policy.param_dtype or params[0].sharded_param.dtype
+    N = topo.world_size
+    wg = WeightGather(gather_in * N, topo, cfg.weights, dtype=dtype, device=pg.device, stats=cfg.stats, record_to=stats)
+    comms = ModuleComms(
+        fqn=name,
+        module=module,
+        param_group=pg,
+        topology=topo,
+        config=cfg,
+        weights=wg,
+        stats=stats,
+        gather_input_numel=gather_in,
+        grad_numel=grad_in * N,
+    )
+    if grad_in:
+        comms.gradient_comm(grad_in * N)
+    comms._saved = (pg._all_gather_comm, pg._reduce_scatter_comm, pg.force_sum_reduction_for_comms)
+    return comms
+
+
+def _marked_by(opts: list[torch.optim.Optimizer], comms_list: list[ModuleComms]) -> list[list[ModuleComms]]:
+    """Per optimizer, the modules whose weights its step changes (at least one, or an error)."""
+    out = []
+    for opt in opts:
+        owned = {id(p) for g in opt.param_groups for p in g["params"]}
+        marked = [c for c in comms_list if any(id(fp.sharded_param) in owned for fp in c.param_group.fsdp_params)]
+        if not marked:
+            raise ValueError(
+                "sdpq.fsdp.apply: the optimizer holds none of this model's sharded parameters "
+                "(build it from model.parameters() after fully_shard)"
+            )
+        out.append(marked)
+    return out
+
+
+def _hook_step(opt: torch.optim.Optimizer, marked: list[ModuleComms]):
+    def _after_step(_opt, _args, _kwargs):
+        for c in marked:
+            c.weights.mark_weights_changed()
+
+    return opt.register_step_post_hook(_after_step)
 
 
 def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, optimizer=None) -> nn.Module:
@@ -149,14 +228,7 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
     the world or the FSDP mesh; ValueError for FSDP setups sdpq does not support.
     """
     cfg = _as_config(config)
-    modules = _fsdp_modules(model)
-    if not modules:
-        raise TypeError(
-            f"sdpq.fsdp.apply: {type(model).__name__} has no FSDP module: shard it first with "
-            "torch.distributed.fsdp.fully_shard (per block, then the root), then call apply")
-    if hasattr(model, ROOT_ATTR) or any(hasattr(m, MODULE_ATTR) for _, m in modules):
-        raise RuntimeError("sdpq.fsdp.apply: sdpq is already applied to this model (or a part of it); "
-                           "call sdpq.fsdp.remove(model) before applying it again")
+    modules = _checked_modules(model)
     opts = _optimizers(optimizer)
     groups = [(name, m, _param_group_of(name, m)) for name, m in modules]
     groups = [g for g in groups if g[2] is not None]
@@ -175,43 +247,16 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
         key = id(mi.shard_process_group)
         if key not in topologies:
             topologies[key] = topology_for_mesh_dim(world, mi.mesh, mi.shard_mesh_dim, mi.shard_process_group)
-        topo = topologies[key]
-        params = pg.fsdp_params
-        gather_in = sum(fp.padded_sharded_param_size.numel() for fp in params)
-        grad_in = sum(fp.padded_sharded_param_size.numel() for fp in params if fp.sharded_param.requires_grad)
-        dtype = pg.mp_policy.param_dtype or params[0].sharded_param.dtype
-        N = topo.world_size
-        wg = WeightGather(gather_in * N, topo, cfg.weights, dtype=dtype, device=pg.device, stats=cfg.stats,
-                          record_to=stats)
-        comms = ModuleComms(fqn=name, module=module, param_group=pg, topology=topo, config=cfg, weights=wg,
-                            stats=stats, gather_input_numel=gather_in, grad_numel=grad_in * N)
-        if grad_in:
-            comms.gradient_comm(grad_in * N)
-        comms._saved = (pg._all_gather_comm, pg._reduce_scatter_comm, pg.force_sum_reduction_for_comms)
-        comms_list.append(comms)
-    marked_by_opt = []
-    for opt in opts:
-        owned = {id(p) for g in opt.param_groups for p in g["params"]}
-        marked = [c for c in comms_list if any(id(fp.sharded_param) in owned for fp in c.param_group.fsdp_params)]
-        if not marked:
-            raise ValueError("sdpq.fsdp.apply: the optimizer holds none of this model's sharded parameters "
-                             "(build it from model.parameters() after fully_shard)")
-        marked_by_opt.append(marked)
-    # Nothing is installed before every check has passed.
+        comms_list.append(_module_comms(name, module, pg, topologies[key], cfg, stats))
+    marked_by_opt = _marked_by(opts, comms_list)
+    # Note: nothing is installed before every check has passed.
     for comms in comms_list:
         m = comms.module
         m.set_custom_all_gather(SdpqAllGather(comms))
         m.set_custom_reduce_scatter(SdpqReduceScatter(comms))
         m.set_force_sum_reduction_for_comms(True)
         setattr(m, MODULE_ATTR, comms)
-    hooks = []
-    for opt, marked in zip(opts, marked_by_opt):
-
-        def _after_step(_opt, _args, _kwargs, marked=marked):
-            for c in marked:
-                c.weights.mark_weights_changed()
-
-        hooks.append(opt.register_step_post_hook(_after_step))
+    hooks = [_hook_step(opt, marked) for opt, marked in zip(opts, marked_by_opt)]
     setattr(model, ROOT_ATTR, Applied(config=cfg, comms=comms_list, hooks=hooks, stats=stats))
     return model
 
@@ -232,6 +277,7 @@ def remove(model: nn.Module) -> None:
 
 
 def is_applied(model: nn.Module) -> bool:
+    """Whether sdpq.fsdp.apply has installed sdpq on `model` (and remove() has not undone it)."""
     return hasattr(model, ROOT_ATTR)
 
 

@@ -8,7 +8,7 @@ the sampled ".../relative_error_mean". Importing this module imports transformer
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from transformers import TrainerCallback
 

@@ -32,7 +32,9 @@ _TABLES: dict = {}
 
 def _e4m3_table(device: torch.device) -> torch.Tensor:
     if device not in _TABLES:
-        _TABLES[device] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+        _TABLES[device] = (
+            torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+        )
     return _TABLES[device]
 
 
@@ -63,8 +65,9 @@ def _decode_group(codes_ptr, table_ptr, s, k, gm, offs, m):
 
 
 @triton.jit
-def _encode_group(x, codes_ptr, s_ptr, k_ptr, gm_ptr, offs, m, goffs, gm_mask, FMAX: tl.constexpr,
-                  LOG2_FMAX: tl.constexpr):
+def _encode_group(
+    x, codes_ptr, s_ptr, k_ptr, gm_ptr, offs, m, goffs, gm_mask, FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr
+):
     a = tl.abs(x)
     mx = tl.max(a, axis=1)
     bad = (tl.max((x != x).to(tl.int32), axis=1) > 0) | ~(mx < float("inf"))
@@ -88,10 +91,33 @@ def _encode_group(x, codes_ptr, s_ptr, k_ptr, gm_ptr, offs, m, goffs, gm_mask, F
 
 
 @triton.jit
-def _adamw_kernel(w_ptr, lo_ptr, g_ptr, table_ptr,
-                  mc_ptr, ms_ptr, mk_ptr, mg_ptr, vc_ptr, vs_ptr, vk_ptr, vg_ptr,
-                  n_cols, n_groups, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, step_size, lr_wd,
-                  G: tl.constexpr, GPB: tl.constexpr, FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr):
+def _adamw_kernel(
+    w_ptr,
+    lo_ptr,
+    g_ptr,
+    table_ptr,
+    mc_ptr,
+    ms_ptr,
+    mk_ptr,
+    mg_ptr,
+    vc_ptr,
+    vs_ptr,
+    vk_ptr,
+    vg_ptr,
+    n_cols,
+    n_groups,
+    one_minus_b1,
+    b2,
+    one_minus_b2,
+    bc2_sqrt,
+    eps,
+    step_size,
+    lr_wd,
+    G: tl.constexpr,
+    GPB: tl.constexpr,
+    FMAX: tl.constexpr,
+    LOG2_FMAX: tl.constexpr,
+):
     row = tl.program_id(1)
     grp = tl.program_id(0) * GPB + tl.arange(0, GPB)
     gmask = grp < n_groups
@@ -101,16 +127,28 @@ def _adamw_kernel(w_ptr, lo_ptr, g_ptr, table_ptr,
     goffs = row * n_groups + grp
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     # First moment: decode, lerp (torch's formula for weights < 0.5), re-encode.
-    ma = _decode_group(mc_ptr, table_ptr, tl.load(ms_ptr + goffs, mask=gmask, other=0.0),
-                       tl.load(mk_ptr + goffs, mask=gmask, other=1.0), tl.load(mg_ptr + goffs, mask=gmask, other=1.0),
-                       offs, m)
+    ma = _decode_group(
+        mc_ptr,
+        table_ptr,
+        tl.load(ms_ptr + goffs, mask=gmask, other=0.0),
+        tl.load(mk_ptr + goffs, mask=gmask, other=1.0),
+        tl.load(mg_ptr + goffs, mask=gmask, other=1.0),
+        offs,
+        m,
+    )
     ma = ma + one_minus_b1 * (g - ma)
     ma = tl.where(m, ma, 0.0)
     _encode_group(ma, mc_ptr, ms_ptr, mk_ptr, mg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX)
     # Second moment.
-    va = _decode_group(vc_ptr, table_ptr, tl.load(vs_ptr + goffs, mask=gmask, other=0.0),
-                       tl.load(vk_ptr + goffs, mask=gmask, other=1.0), tl.load(vg_ptr + goffs, mask=gmask, other=1.0),
-                       offs, m)
+    va = _decode_group(
+        vc_ptr,
+        table_ptr,
+        tl.load(vs_ptr + goffs, mask=gmask, other=0.0),
+        tl.load(vk_ptr + goffs, mask=gmask, other=1.0),
+        tl.load(vg_ptr + goffs, mask=gmask, other=1.0),
+        offs,
+        m,
+    )
     va = va * b2 + one_minus_b2 * g * g  # addcmul's order: (value * g) * g
     va = tl.where(m, va, 0.0)
     _encode_group(va, vc_ptr, vs_ptr, vk_ptr, vg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX)
@@ -127,8 +165,21 @@ def _adamw_kernel(w_ptr, lo_ptr, g_ptr, table_ptr,
     tl.store(lo_ptr + offs, lo_new, mask=m)
 
 
-def adamw_fp8_mcf_step(w: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, m_state: tuple, v_state: tuple, *,
-                       lr: float, b1: float, b2: float, eps: float, wd: float, step: int, group_size: int) -> None:
+def adamw_fp8_mcf_step(
+    w: torch.Tensor,
+    lo: torch.Tensor,
+    grad: torch.Tensor,
+    m_state: tuple,
+    v_state: tuple,
+    *,
+    lr: float,
+    b1: float,
+    b2: float,
+    eps: float,
+    wd: float,
+    step: int,
+    group_size: int,
+) -> None:
     """In place. w, lo: bf16 [rows, cols]; grad [rows, cols] (any float); m_state/v_state: (codes
     uint8 [rows, cols], scale, k, gm fp32 [rows, groups]) of E4M3 expanded moments."""
     rows, cols = w.shape
@@ -137,6 +188,23 @@ def adamw_fp8_mcf_step(w: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, m_
     gpb = max(1, min(triton.next_power_of_2(n_groups), max(1, 2048 // G)))
     grid = (triton.cdiv(n_groups, gpb), rows)
     _adamw_kernel[grid](
-        w, lo, grad, _e4m3_table(w.device), *m_state, *v_state, cols, n_groups,
-        1.0 - b1, b2, 1.0 - b2, (1.0 - b2**step) ** 0.5, eps, lr / (1.0 - b1**step), lr * wd,
-        G=G, GPB=gpb, FMAX=_E4M3_MAX, LOG2_FMAX=_LOG2_FMAX)
+        w,
+        lo,
+        grad,
+        _e4m3_table(w.device),
+        *m_state,
+        *v_state,
+        cols,
+        n_groups,
+        1.0 - b1,
+        b2,
+        1.0 - b2,
+        (1.0 - b2**step) ** 0.5,
+        eps,
+        lr / (1.0 - b1**step),
+        lr * wd,
+        G=G,
+        GPB=gpb,
+        FMAX=_E4M3_MAX,
+        LOG2_FMAX=_LOG2_FMAX,
+    )

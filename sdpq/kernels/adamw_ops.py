@@ -35,9 +35,11 @@ from . import native
 __all__ = ["cpu_available"]
 
 _LIB = torch.library.Library("sdpq", "FRAGMENT")  # noqa: TOR901 (the optimizer's share of the namespace)
-_LIB.define("adamw_step(Tensor(a!) param, Tensor(b!)? param_lo, Tensor grad, Tensor(c!)[] exp_avg, "
-            "Tensor(d!)[] exp_avg_sq, str m_format, str v_format, float lr, float beta1, float beta2, "
-            "float eps, float weight_decay, int step, int group_size) -> ()")
+_LIB.define(
+    "adamw_step(Tensor(a!) param, Tensor(b!)? param_lo, Tensor grad, Tensor(c!)[] exp_avg, "
+    "Tensor(d!)[] exp_avg_sq, str m_format, str v_format, float lr, float beta1, float beta2, "
+    "float eps, float weight_decay, int step, int group_size) -> ()"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,22 +49,63 @@ def cpu_available() -> bool:
 
 
 @torch.library.register_fake("sdpq::adamw_step")
-def _adamw_step_fake(param, param_lo, grad, exp_avg, exp_avg_sq, m_format, v_format, lr, beta1, beta2, eps,
-                     weight_decay, step, group_size):
+def _adamw_step_fake(
+    param,
+    param_lo,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    m_format,
+    v_format,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    group_size,
+):
     return None
 
 
-def _adamw_step_cuda(param, param_lo, grad, exp_avg, exp_avg_sq, m_format, v_format, lr, beta1, beta2, eps,
-                     weight_decay, step, group_size):
+def _adamw_step_cuda(
+    param,
+    param_lo,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    m_format,
+    v_format,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    group_size,
+):
     if not (m_format == v_format == "e4m3" and param_lo is not None and group_size & (group_size - 1) == 0):
         raise NotImplementedError(
             f"sdpq::adamw_step on CUDA covers E4M3 m and v with an MCF master and a power-of-two group size "
             f"(got m_format={m_format!r}, v_format={v_format!r}, MCF master: {param_lo is not None}, "
-            f"group_size={group_size}); use sdpq.optim.AdamW, whose PyTorch path covers every layout")
+            f"group_size={group_size}); use sdpq.optim.AdamW, whose PyTorch path covers every layout"
+        )
     from .adamw import adamw_fp8_mcf_step
 
-    adamw_fp8_mcf_step(param, param_lo, grad, tuple(exp_avg), tuple(exp_avg_sq), lr=lr, b1=beta1, b2=beta2,
-                       eps=eps, wd=weight_decay, step=step, group_size=group_size)
+    adamw_fp8_mcf_step(
+        param,
+        param_lo,
+        grad,
+        tuple(exp_avg),
+        tuple(exp_avg_sq),
+        lr=lr,
+        b1=beta1,
+        b2=beta2,
+        eps=eps,
+        wd=weight_decay,
+        step=step,
+        group_size=group_size,
+    )
 
 
 _LIB.impl("adamw_step", _adamw_step_cuda, "CUDA")

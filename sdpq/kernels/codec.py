@@ -26,18 +26,49 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tile import (dequantize_tile, fwht, group_scales, load_codes, load_scales, quantize_tile, store_codes,
-                    store_scales, to_bf16_rne)
+from ._tile import (
+    dequantize_tile,
+    fwht,
+    group_scales,
+    load_codes,
+    load_scales,
+    quantize_tile,
+    store_codes,
+    store_scales,
+    to_bf16_rne,
+)
 
 __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
 
 
 @triton.jit
-def _encode_kernel(x_ptr, x_stride, ref_ptr, ref_stride, out_ptr, out_stride, own_ptr, signs_ptr, flag_ptr,
-                   n, tiles_per_row, P, own_row, code_bytes, seed,
-                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, SCALE_BF16: tl.constexpr, HAS_REF: tl.constexpr,
-                   HB: tl.constexpr, LOG2HB: tl.constexpr, WRITE_OWN: tl.constexpr):
+def _encode_kernel(
+    x_ptr,
+    x_stride,
+    ref_ptr,
+    ref_stride,
+    out_ptr,
+    out_stride,
+    own_ptr,
+    signs_ptr,
+    flag_ptr,
+    n,
+    tiles_per_row,
+    P,
+    own_row,
+    code_bytes,
+    seed,
+    TILE: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HB: tl.constexpr,
+    LOG2HB: tl.constexpr,
+    WRITE_OWN: tl.constexpr,
+):
     r = tl.program_id(1)
     t = tl.program_id(0)
     col = t * TILE + tl.arange(0, TILE)
@@ -67,17 +98,28 @@ def _encode_kernel(x_ptr, x_stride, ref_ptr, ref_stride, out_ptr, out_stride, ow
 
 
 @triton.jit
-def _decode_kernel(buf_ptr, buf_stride, out_ptr, out_stride, n, code_bytes,
-                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr,
-                   ADD: tl.constexpr):
+def _decode_kernel(
+    buf_ptr,
+    buf_stride,
+    out_ptr,
+    out_stride,
+    n,
+    code_bytes,
+    TILE: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    ADD: tl.constexpr,
+):
     r = tl.program_id(1)
     t = tl.program_id(0)
     NG: tl.constexpr = TILE // G
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
     row_ptr = buf_ptr + r * buf_stride
-    vals = dequantize_tile(load_codes(row_ptr, groups, G, BITS, gmask),
-                           load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask))
+    vals = dequantize_tile(
+        load_codes(row_ptr, groups, G, BITS, gmask), load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask)
+    )
     col = t * TILE + tl.arange(0, TILE)
     m = col < n
     v = tl.reshape(vals, [TILE])
@@ -91,13 +133,38 @@ def _decode_kernel(buf_ptr, buf_stride, out_ptr, out_stride, n, code_bytes,
 
 
 @triton.jit
-def _reduce_kernel(buf_ptr, buf_stride, rows, own_ptr, own_row, bad_ptr, n, code_bytes,
-                   out_ptr, signs_ptr,
-                   enc_ptr, enc_stride, enc_n, enc_code_bytes, own_out_ptr, own_seg, flag_ptr, seed,
-                   TILE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr,
-                   HB: tl.constexpr, LOG2HB: tl.constexpr,
-                   ENCODE: tl.constexpr, G2: tl.constexpr, BITS2: tl.constexpr, QMAX2: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, SCALE2_BF16: tl.constexpr):
+def _reduce_kernel(
+    buf_ptr,
+    buf_stride,
+    rows,
+    own_ptr,
+    own_row,
+    bad_ptr,
+    n,
+    code_bytes,
+    out_ptr,
+    signs_ptr,
+    enc_ptr,
+    enc_stride,
+    enc_n,
+    enc_code_bytes,
+    own_out_ptr,
+    own_seg,
+    flag_ptr,
+    seed,
+    TILE: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    HB: tl.constexpr,
+    LOG2HB: tl.constexpr,
+    ENCODE: tl.constexpr,
+    G2: tl.constexpr,
+    BITS2: tl.constexpr,
+    QMAX2: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE2_BF16: tl.constexpr,
+):
     t = tl.program_id(0)
     NG: tl.constexpr = TILE // G
     groups = t * NG + tl.arange(0, NG)
@@ -110,8 +177,13 @@ def _reduce_kernel(buf_ptr, buf_stride, rows, own_ptr, own_row, bad_ptr, n, code
             part = tl.load(own_ptr + col, mask=m, other=0.0)
         else:
             row_ptr = buf_ptr + k * buf_stride
-            part = tl.reshape(dequantize_tile(load_codes(row_ptr, groups, G, BITS, gmask),
-                                              load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask)), [TILE])
+            part = tl.reshape(
+                dequantize_tile(
+                    load_codes(row_ptr, groups, G, BITS, gmask),
+                    load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask),
+                ),
+                [TILE],
+            )
         acc += part
     acc = acc + tl.load(bad_ptr)  # 0.0, or NaN when the sender side saw a non-finite group
     if ENCODE:  # re-quantize: output row = col // enc_n (each enc_n a multiple of TILE)
@@ -146,9 +218,16 @@ def _spec_args(spec) -> dict:
     return dict(G=spec.group_size, BITS=spec.bits, SCALE_BF16=spec.scale_dtype == torch.bfloat16)
 
 
-def encode_rows(x: torch.Tensor, spec, *, ref: torch.Tensor | None = None, segments: int = 1,
-                hadamard: tuple[int, torch.Tensor] | None = None, own_row: int | None = None,
-                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def encode_rows(
+    x: torch.Tensor,
+    spec,
+    *,
+    ref: torch.Tensor | None = None,
+    segments: int = 1,
+    hadamard: tuple[int, torch.Tensor] | None = None,
+    own_row: int | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """x [R, n] (row stride free, unit column stride) -> (wire [R / segments, wire_bytes(segments * n)],
     own fp32 [segments, n] = the (transformed) values of rows r with r % P == own_row, or None,
     count of non-finite groups (int32 [1]))."""
@@ -165,10 +244,30 @@ def encode_rows(x: torch.Tensor, spec, *, ref: torch.Tensor | None = None, segme
     ref_t = ref if ref is not None else x
     grid = (triton.cdiv(n, tile), R)
     _encode_kernel[grid](
-        x, x.stride(0), ref_t, ref_t.stride(0), out, out.stride(0), own if own is not None else flag, signs, flag,
-        n, grid[0], P, -1 if own_row is None else own_row, spec.code_bytes(row_numel), seed,
-        TILE=tile, QMAX=spec.qmax, STOCHASTIC=spec.rounding == "stochastic", HAS_REF=ref is not None,
-        HB=hb, LOG2HB=int(math.log2(hb)), WRITE_OWN=own is not None, **_spec_args(spec))
+        x,
+        x.stride(0),
+        ref_t,
+        ref_t.stride(0),
+        out,
+        out.stride(0),
+        own if own is not None else flag,
+        signs,
+        flag,
+        n,
+        grid[0],
+        P,
+        -1 if own_row is None else own_row,
+        spec.code_bytes(row_numel),
+        seed,
+        TILE=tile,
+        QMAX=spec.qmax,
+        STOCHASTIC=spec.rounding == "stochastic",
+        HAS_REF=ref is not None,
+        HB=hb,
+        LOG2HB=int(math.log2(hb)),
+        WRITE_OWN=own is not None,
+        **_spec_args(spec),
+    )
     return out, own, flag
 
 
@@ -176,14 +275,26 @@ def decode_rows(buf: torch.Tensor, spec, numel: int, out: torch.Tensor, *, add: 
     """wire rows [R, wire_bytes(numel)] -> out [R, numel] (any float dtype; out += values if add)."""
     R = buf.shape[0]
     tile = _tile(numel, spec.group_size)
-    _decode_kernel[(triton.cdiv(numel, tile), R)](buf, buf.stride(0), out, out.stride(0), numel,
-                                                 spec.code_bytes(numel), TILE=tile, ADD=add, **_spec_args(spec))
+    _decode_kernel[(triton.cdiv(numel, tile), R)](
+        buf, buf.stride(0), out, out.stride(0), numel, spec.code_bytes(numel), TILE=tile, ADD=add, **_spec_args(spec)
+    )
     return out
 
 
-def reduce_rows(buf: torch.Tensor, spec, numel: int, own: torch.Tensor, own_row: int, bad: torch.Tensor, *,
-                hadamard: tuple[int, torch.Tensor] | None = None, encode_spec=None, encode_rows_n: int = 0,
-                own_seg: int = -1, seed: int = 0):
+def reduce_rows(
+    buf: torch.Tensor,
+    spec,
+    numel: int,
+    own: torch.Tensor,
+    own_row: int,
+    bad: torch.Tensor,
+    *,
+    hadamard: tuple[int, torch.Tensor] | None = None,
+    encode_spec=None,
+    encode_rows_n: int = 0,
+    own_seg: int = -1,
+    seed: int = 0,
+):
     """Sum of the decoded rows of buf [R, wire_bytes(numel)], row own_row replaced by own (fp32
     [numel]), plus bad (fp32 [1]: 0 or NaN). Returns fp32 [numel] (inverse-Hadamard'd when
     `hadamard`), or with `encode_spec`: (wire [numel / encode_rows_n, wire_bytes(encode_rows_n)],
@@ -203,18 +314,44 @@ def reduce_rows(buf: torch.Tensor, spec, numel: int, own: torch.Tensor, own_row:
         e_args = dict(G2=spec.group_size, BITS2=spec.bits, QMAX2=spec.qmax, SCALE2_BF16=False)
     else:
         out = own  # placeholder: only the non-ENCODE branch writes out_ptr
-        enc = torch.empty((numel // encode_rows_n, encode_spec.wire_bytes(encode_rows_n)), dtype=torch.uint8,
-                          device=buf.device)
+        enc = torch.empty(
+            (numel // encode_rows_n, encode_spec.wire_bytes(encode_rows_n)), dtype=torch.uint8, device=buf.device
+        )
         own_out = torch.empty(encode_rows_n, dtype=torch.float32, device=buf.device)
-        e_args = dict(G2=encode_spec.group_size, BITS2=encode_spec.bits, QMAX2=encode_spec.qmax,
-                      SCALE2_BF16=encode_spec.scale_dtype == torch.bfloat16)
+        e_args = dict(
+            G2=encode_spec.group_size,
+            BITS2=encode_spec.bits,
+            QMAX2=encode_spec.qmax,
+            SCALE2_BF16=encode_spec.scale_dtype == torch.bfloat16,
+        )
     stochastic = (encode_spec or spec).rounding == "stochastic"
     _reduce_kernel[(triton.cdiv(numel, tile),)](
-        buf, buf.stride(0), R, own, own_row, bad, numel, spec.code_bytes(numel), out, signs,
-        enc, enc.stride(0) if encode_spec else 0, encode_rows_n or numel,
-        encode_spec.code_bytes(encode_rows_n) if encode_spec else 0, own_out, own_seg, flag, seed,
-        TILE=tile, HB=hb if encode_spec is None else 1, LOG2HB=int(math.log2(hb)) if encode_spec is None else 0,
-        ENCODE=encode_spec is not None, STOCHASTIC=stochastic, **_spec_args(spec), **e_args)
+        buf,
+        buf.stride(0),
+        R,
+        own,
+        own_row,
+        bad,
+        numel,
+        spec.code_bytes(numel),
+        out,
+        signs,
+        enc,
+        enc.stride(0) if encode_spec else 0,
+        encode_rows_n or numel,
+        encode_spec.code_bytes(encode_rows_n) if encode_spec else 0,
+        own_out,
+        own_seg,
+        flag,
+        seed,
+        TILE=tile,
+        HB=hb if encode_spec is None else 1,
+        LOG2HB=int(math.log2(hb)) if encode_spec is None else 0,
+        ENCODE=encode_spec is not None,
+        STOCHASTIC=stochastic,
+        **_spec_args(spec),
+        **e_args,
+    )
     if encode_spec is None:
         return out
     return enc, own_out, flag

@@ -23,14 +23,19 @@ from . import native
 __all__ = ["cpu_available", "wire_bytes"]
 
 _LIB = torch.library.Library("sdpq", "FRAGMENT")  # noqa: TOR901 (the codec's share of the namespace)
-_LIB.define("encode_rows(Tensor x, Tensor? ref, int segments, int bits, int group_size, bool stochastic, "
-            "bool scale_bf16, Tensor? signs, int own_row, int seed) -> (Tensor wire, Tensor own, Tensor nonfinite)")
-_LIB.define("decode_rows(Tensor buf, int numel, int bits, int group_size, bool scale_bf16, Tensor(a!) out, "
-            "bool add) -> ()")
-_LIB.define("reduce_rows(Tensor buf, int numel, int bits, int group_size, bool scale_bf16, Tensor own, "
-            "int own_row, Tensor bad, Tensor? signs, int enc_bits, int enc_group_size, bool enc_stochastic, "
-            "bool enc_scale_bf16, int enc_numel, int own_seg, int seed) -> (Tensor out, Tensor own_out, "
-            "Tensor nonfinite)")
+_LIB.define(
+    "encode_rows(Tensor x, Tensor? ref, int segments, int bits, int group_size, bool stochastic, "
+    "bool scale_bf16, Tensor? signs, int own_row, int seed) -> (Tensor wire, Tensor own, Tensor nonfinite)"
+)
+_LIB.define(
+    "decode_rows(Tensor buf, int numel, int bits, int group_size, bool scale_bf16, Tensor(a!) out, bool add) -> ()"
+)
+_LIB.define(
+    "reduce_rows(Tensor buf, int numel, int bits, int group_size, bool scale_bf16, Tensor own, "
+    "int own_row, Tensor bad, Tensor? signs, int enc_bits, int enc_group_size, bool enc_stochastic, "
+    "bool enc_scale_bf16, int enc_numel, int own_seg, int seed) -> (Tensor out, Tensor own_out, "
+    "Tensor nonfinite)"
+)
 
 
 def wire_bytes(numel: int, bits: int, group_size: int, scale_bf16: bool) -> int:
@@ -45,6 +50,7 @@ def cpu_available() -> bool:
 
 
 # ---------------------------------------------------------------------------- fake (Meta)
+
 
 @torch.library.register_fake("sdpq::encode_rows")
 def _encode_fake(x, ref, segments, bits, group_size, stochastic, scale_bf16, signs, own_row, seed):
@@ -61,17 +67,35 @@ def _decode_fake(buf, numel, bits, group_size, scale_bf16, out, add):
 
 
 @torch.library.register_fake("sdpq::reduce_rows")
-def _reduce_fake(buf, numel, bits, group_size, scale_bf16, own, own_row, bad, signs, enc_bits, enc_group_size,
-                 enc_stochastic, enc_scale_bf16, enc_numel, own_seg, seed):
+def _reduce_fake(
+    buf,
+    numel,
+    bits,
+    group_size,
+    scale_bf16,
+    own,
+    own_row,
+    bad,
+    signs,
+    enc_bits,
+    enc_group_size,
+    enc_stochastic,
+    enc_scale_bf16,
+    enc_numel,
+    own_seg,
+    seed,
+):
     flag = buf.new_empty((), dtype=torch.bool)
     if enc_bits == 0:
         return buf.new_empty((numel,), dtype=torch.float32), buf.new_empty((0,), dtype=torch.float32), flag
-    wire = buf.new_empty((numel // enc_numel, wire_bytes(enc_numel, enc_bits, enc_group_size, enc_scale_bf16)),
-                         dtype=torch.uint8)
+    wire = buf.new_empty(
+        (numel // enc_numel, wire_bytes(enc_numel, enc_bits, enc_group_size, enc_scale_bf16)), dtype=torch.uint8
+    )
     return wire, buf.new_empty((enc_numel,), dtype=torch.float32), flag
 
 
 # ---------------------------------------------------------------------------- CUDA (Triton)
+
 
 class _Spec:
     """The attributes of a QuantSpec the Triton wrappers read."""
@@ -79,8 +103,12 @@ class _Spec:
     def __init__(self, bits: int, group_size: int, stochastic: bool, scale_bf16: bool):
         from ..quant.groupwise import QuantSpec
 
-        self.q = QuantSpec(bits=bits, group_size=group_size, rounding="stochastic" if stochastic else "nearest",
-                           scale_dtype=torch.bfloat16 if scale_bf16 else torch.float32)
+        self.q = QuantSpec(
+            bits=bits,
+            group_size=group_size,
+            rounding="stochastic" if stochastic else "nearest",
+            scale_dtype=torch.bfloat16 if scale_bf16 else torch.float32,
+        )
 
 
 def _had(signs):
@@ -92,8 +120,9 @@ def _encode_cuda(x, ref, segments, bits, group_size, stochastic, scale_bf16, sig
     from . import codec
 
     spec = _Spec(bits, group_size, stochastic, scale_bf16).q
-    wire, own, flag = codec.encode_rows(x, spec, ref=ref, segments=segments, hadamard=_had(signs),
-                                        own_row=own_row if own_row >= 0 else None, seed=seed)
+    wire, own, flag = codec.encode_rows(
+        x, spec, ref=ref, segments=segments, hadamard=_had(signs), own_row=own_row if own_row >= 0 else None, seed=seed
+    )
     own = own if own is not None else x.new_empty((0,), dtype=torch.float32)
     return wire, own, flag[0] > 0
 
@@ -106,8 +135,24 @@ def _decode_cuda(buf, numel, bits, group_size, scale_bf16, out, add):
 
 
 @torch.library.impl("sdpq::reduce_rows", "CUDA")
-def _reduce_cuda(buf, numel, bits, group_size, scale_bf16, own, own_row, bad, signs, enc_bits, enc_group_size,
-                 enc_stochastic, enc_scale_bf16, enc_numel, own_seg, seed):
+def _reduce_cuda(
+    buf,
+    numel,
+    bits,
+    group_size,
+    scale_bf16,
+    own,
+    own_row,
+    bad,
+    signs,
+    enc_bits,
+    enc_group_size,
+    enc_stochastic,
+    enc_scale_bf16,
+    enc_numel,
+    own_seg,
+    seed,
+):
     from . import codec
 
     spec = _Spec(bits, group_size, enc_stochastic, scale_bf16).q
@@ -116,6 +161,16 @@ def _reduce_cuda(buf, numel, bits, group_size, scale_bf16, own, own_row, bad, si
         out = codec.reduce_rows(buf, spec, numel, own.reshape(-1), own_row, bad_f, hadamard=_had(signs), seed=seed)
         return out, out.new_empty((0,)), torch.zeros((), dtype=torch.bool, device=buf.device)
     enc = _Spec(enc_bits, enc_group_size, enc_stochastic, enc_scale_bf16).q
-    wire, own_out, flag = codec.reduce_rows(buf, spec, numel, own.reshape(-1), own_row, bad_f, encode_spec=enc,
-                                            encode_rows_n=enc_numel, own_seg=own_seg, seed=seed)
+    wire, own_out, flag = codec.reduce_rows(
+        buf,
+        spec,
+        numel,
+        own.reshape(-1),
+        own_row,
+        bad_f,
+        encode_spec=enc,
+        encode_rows_n=enc_numel,
+        own_seg=own_seg,
+        seed=seed,
+    )
     return wire, own_out, flag[0] > 0

@@ -66,7 +66,7 @@ def _key(name: str) -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(name: str) -> bool:
     """Build (first use) and load ``csrc/<name>.cpp``; True when its kernels are registered."""
     if not enabled():
@@ -83,13 +83,24 @@ def load(name: str) -> bool:
             torch.ops.load_library(str(so))
             return True
         flags = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
-        cpp_extension.load(name=lib, sources=[str(source)], extra_include_paths=[str(_CSRC)],
-                           extra_cflags=flags, extra_ldflags=[], build_directory=str(build),
-                           is_python_module=False, verbose=os.environ.get("SDPQ_NATIVE_VERBOSE") == "1")
+        cpp_extension.load(
+            name=lib,
+            sources=[str(source)],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=flags,
+            extra_ldflags=[],
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=os.environ.get("SDPQ_NATIVE_VERBOSE") == "1",
+        )
         return True
     except Exception as e:  # no compiler, no ninja, a failed build: the reference path still works
-        warnings.warn(f"sdpq: the C++ CPU kernels '{name}' could not be built or loaded ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}); using the PyTorch "
-                      "reference path (same results, slower). Install a C++ compiler (g++) and ninja, "
-                      "or set SDPQ_NATIVE=0 to silence this.", NativeBuildWarning, stacklevel=2)
+        warnings.warn(
+            f"sdpq: the C++ CPU kernels '{name}' could not be built or loaded ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}); using the PyTorch "
+            "reference path (same results, slower). Install a C++ compiler (g++) and ninja, "
+            "or set SDPQ_NATIVE=0 to silence this.",
+            NativeBuildWarning,
+            stacklevel=2,
+        )
         return False

@@ -21,15 +21,30 @@ from .netns import EmulatedNodes, cleanup_stale
 __all__ = ["add_arguments", "main", "measure_link", "run_job", "torchrun_command"]
 
 
-def torchrun_command(nodes: int, node_rank: int, ranks_per_node: int, endpoint: str, job_id: str,
-                     command: list[str], local_addr: str | None = None) -> list[str]:
+def torchrun_command(
+    nodes: int,
+    node_rank: int,
+    ranks_per_node: int,
+    endpoint: str,
+    job_id: str,
+    command: list[str],
+    local_addr: str | None = None,
+) -> list[str]:
     """The torchrun line of one node (c10d rendezvous; `command` is a python script or -m module)."""
     module = command[:2] if command[:1] == ["-m"] else None
-    head = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node_rank}",
-            f"--nproc-per-node={ranks_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={job_id}",
-            # Namespaces share the hostname, so torchrun cannot tell which node owns the endpoint.
-            f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}"]
+    head = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={ranks_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={job_id}",
+        # Namespaces share the hostname, so torchrun cannot tell which node owns the endpoint.
+        f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}",
+    ]
     if local_addr:  # else workers get the machine's hostname as MASTER_ADDR, outside the namespaces
         head.append(f"--local-addr={local_addr}")
     if module:
@@ -68,15 +83,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="measure the shaped link with TCP before running")
     p.add_argument("--timeout", type=float, default=3600, help="kill the job after this many seconds")
     p.add_argument("--cleanup", action="store_true", help="only delete namespaces left by killed runs")
-    p.add_argument("--per-node", action="store_true",
-                   help="run the command as given on every node (a per-node launcher script) with NNODES, "
-                        "NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, NODE_ADDR set, instead of wrapping it in torchrun")
+    p.add_argument(
+        "--per-node",
+        action="store_true",
+        help="run the command as given on every node (a per-node launcher script) with NNODES, "
+        "NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, NODE_ADDR set, instead of wrapping it in torchrun",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args | -- -m module args")
 
 
-def run_job(cluster: EmulatedNodes, command: list[str], ranks_per_node: int, *, port: int = 29400,
-            timeout: float = 3600, per_node: bool = False, env: dict | None = None, logs: Path | None = None,
-            grace: float = 120) -> int:
+def run_job(
+    cluster: EmulatedNodes,
+    command: list[str],
+    ranks_per_node: int,
+    *,
+    port: int = 29400,
+    timeout: float = 3600,
+    per_node: bool = False,
+    env: dict | None = None,
+    logs: Path | None = None,
+    grace: float = 120,
+) -> int:
     """Run `command` on every node of `cluster` (wrapped in torchrun unless `per_node`) and wait.
 
     Returns the worst exit code (124 on timeout). A failing node stops the others instead of
@@ -93,17 +120,27 @@ def run_job(cluster: EmulatedNodes, command: list[str], ranks_per_node: int, *, 
     procs: list[subprocess.Popen] = []
     try:
         for i in range(cluster.nodes):
-            node_env = dict(env, NNODES=str(cluster.nodes), NODE_RANK=str(i), NPROC_PER_NODE=str(ranks_per_node),
-                            MASTER_ADDR=cluster.address(0), NODE_ADDR=cluster.address(i))
-            job_cmd = command if per_node else torchrun_command(
-                cluster.nodes, i, ranks_per_node, endpoint, job, command, cluster.address(i))
+            node_env = dict(
+                env,
+                NNODES=str(cluster.nodes),
+                NODE_RANK=str(i),
+                NPROC_PER_NODE=str(ranks_per_node),
+                MASTER_ADDR=cluster.address(0),
+                NODE_ADDR=cluster.address(i),
+            )
+            job_cmd = (
+                command
+                if per_node
+                else torchrun_command(cluster.nodes, i, ranks_per_node, endpoint, job, command, cluster.address(i))
+            )
             cmd = cluster.exec_prefix(i) + job_cmd
             out = None
             if logs is not None:
                 logs.mkdir(parents=True, exist_ok=True)
                 out = (logs / f"node{i}.log").open("w")
-            print(f"[sdpq cluster] node {i} ({cluster.address(i)}): {shlex.join(cmd)}", file=out or sys.stdout,
-                  flush=True)
+            print(
+                f"[sdpq cluster] node {i} ({cluster.address(i)}): {shlex.join(cmd)}", file=out or sys.stdout, flush=True
+            )
             procs.append(subprocess.Popen(cmd, env=node_env, start_new_session=True, stdout=out, stderr=out))
             if out is not None:
                 out.close()  # the child holds its own descriptor
@@ -144,10 +181,13 @@ def main(args: argparse.Namespace) -> int:
             if args.measure and args.nodes > 1:
                 print(f"[sdpq cluster] link {args.bandwidth}: measured {measure_link(cluster):.0f} Mbit/s", flush=True)
             before = cluster.link_bytes()
-            rc = run_job(cluster, command, args.ranks_per_node, port=args.port, timeout=args.timeout,
-                         per_node=args.per_node)
-            print(f"[sdpq cluster] exit {rc}; inter-node link carried {(cluster.link_bytes() - before) / 1e6:.2f} MB",
-                  flush=True)
+            rc = run_job(
+                cluster, command, args.ranks_per_node, port=args.port, timeout=args.timeout, per_node=args.per_node
+            )
+            print(
+                f"[sdpq cluster] exit {rc}; inter-node link carried {(cluster.link_bytes() - before) / 1e6:.2f} MB",
+                flush=True,
+            )
             return rc
     except KeyboardInterrupt:
         return 130

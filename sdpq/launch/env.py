@@ -8,7 +8,7 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without overwriting wha
 |---|---|---|---|
 | torchrun | RANK WORLD_SIZE | LOCAL_RANK LOCAL_WORLD_SIZE | MASTER_ADDR/PORT |
 | deepspeed | RANK WORLD_SIZE | LOCAL_RANK LOCAL_SIZE | MASTER_ADDR/PORT |
-| srun | SLURM_PROCID SLURM_NTASKS | SLURM_LOCALID SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE | first host of SLURM_JOB_NODELIST (script sets it) |
+| srun | SLURM_PROCID SLURM_NTASKS | SLURM_LOCALID SLURM_(N)TASKS_PER_NODE | SLURM_JOB_NODELIST's first host |
 | mpirun | mpi4py COMM_WORLD | COMM_TYPE_SHARED split | rank 0's address, broadcast over MPI |
 """
 
@@ -45,8 +45,14 @@ def _from_mpi() -> None:
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     addr = comm.bcast(os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname()), root=0)
-    _setdefault(RANK=comm.Get_rank(), WORLD_SIZE=comm.Get_size(), LOCAL_RANK=local.Get_rank(),
-                LOCAL_WORLD_SIZE=local.Get_size(), MASTER_ADDR=addr, MASTER_PORT=29500)
+    _setdefault(
+        RANK=comm.Get_rank(),
+        WORLD_SIZE=comm.Get_size(),
+        LOCAL_RANK=local.Get_rank(),
+        LOCAL_WORLD_SIZE=local.Get_size(),
+        MASTER_ADDR=addr,
+        MASTER_PORT=29500,
+    )
 
 
 def _slurm_tasks_on_this_node(env: os._Environ | dict) -> str | None:
@@ -75,8 +81,13 @@ def discover() -> JobEnv:
     elif "SLURM_PROCID" in env and "RANK" not in env:
         launcher = "slurm"
         per_node = _slurm_tasks_on_this_node(env)
-        _setdefault(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env.get("SLURM_LOCALID"),
-                    LOCAL_WORLD_SIZE=per_node, MASTER_PORT=29500)
+        _setdefault(
+            RANK=env["SLURM_PROCID"],
+            WORLD_SIZE=env["SLURM_NTASKS"],
+            LOCAL_RANK=env.get("SLURM_LOCALID"),
+            LOCAL_WORLD_SIZE=per_node,
+            MASTER_PORT=29500,
+        )
     elif "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env or "PMIX_RANK" in env:
         launcher = "mpirun"
         _from_mpi()
@@ -86,8 +97,13 @@ def discover() -> JobEnv:
         launcher = "single"
         _setdefault(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500)
     _setdefault(LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500)
-    return JobEnv(launcher, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
-                  int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    return JobEnv(
+        launcher,
+        int(env["RANK"]),
+        int(env["WORLD_SIZE"]),
+        int(env["LOCAL_RANK"]),
+        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+    )
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600) -> JobEnv:

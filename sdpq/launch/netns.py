@@ -58,8 +58,9 @@ def _tc(ns: str, *args: str) -> None:
 class EmulatedNodes:
     """Context manager creating ``nodes`` network namespaces with a shaped link between them."""
 
-    def __init__(self, nodes: int, bandwidth: str | None = "1gbit", tag: str | None = None,
-                 latency: str | None = None) -> None:
+    def __init__(
+        self, nodes: int, bandwidth: str | None = "1gbit", tag: str | None = None, latency: str | None = None
+    ) -> None:
         if nodes < 1 or nodes > 200:
             raise ValueError(f"nodes={nodes}; allowed: 1..200")
         self.nodes = nodes
@@ -78,7 +79,7 @@ class EmulatedNodes:
     def switch(self) -> str:
         return f"{self.tag}sw"
 
-    def __enter__(self) -> "EmulatedNodes":
+    def __enter__(self) -> EmulatedNodes:
         try:
             self._create()
         except BaseException:
@@ -132,8 +133,12 @@ class EmulatedNodes:
         each inter-node packet leaves exactly one node; traffic within a node never uses eth0)."""
         total = 0
         for i in range(self.nodes):
-            out = subprocess.run(["ip", "-n", self.namespace(i), "-j", "-s", "link", "show", "eth0"],
-                                 check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                ["ip", "-n", self.namespace(i), "-j", "-s", "link", "show", "eth0"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             total += json.loads(out)[0]["stats64"]["tx"]["bytes"]
         return total
 

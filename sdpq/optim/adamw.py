@@ -13,11 +13,15 @@ puts the same flat partition tensor into ``param_groups`` for each step() (and r
 ``optimizer.state[partition]`` itself); a (group, position) key would collide between its
 sub-groups, which share group index and position 0.
 """
+
 from __future__ import annotations
+
+from typing import Any, get_args
 
 import torch
 from torch import Tensor
 
+from ..config import MasterWeights, OptimizerConfig, OptimizerStates, SecondMomentFormat
 from ..kernels import adamw_ops
 from ..quant import mcf
 from ..quant.fused import uses_kernels
@@ -26,22 +30,24 @@ from .layout import chunk_numel, chunks, fp8_groups_ok, local, rows
 
 __all__ = ["AdamW"]
 
-_STATES = ("fp8", "bf16", "fp32")
-_MASTERS = ("mcf", "native")
-_V_FORMATS = ("e4m3", "e5m2")
+_STATES = get_args(OptimizerStates)
+_MASTERS = get_args(MasterWeights)
+_V_FORMATS = get_args(SecondMomentFormat)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _op_format(st: dict, name: str, fp8_fmt: str) -> str | None:
     """The adamw_step format name of a stored state (None: a format the kernels do not take)."""
-    return {"fp8": fp8_fmt, "bf16": "bf16", "fp32": "fp32", "pair": "pair"}.get(states.stored_format(st, name))
+    return {"fp8": fp8_fmt, "bf16": "bf16", "fp32": "fp32", "pair": "pair"}.get(states.stored_format(st, name) or "")
 
 
 def _op_tensors(st: dict, name: str, n_rows: int) -> list[Tensor]:
     """The storage of a state as adamw_step takes it: 2-D row views, metadata [rows, groups]."""
     fmt = states.stored_format(st, name)
-    return [st[k].reshape(n_rows, -1) if states.is_metadata_key(k) else rows(st[k])
-            for k in states.storage_keys(name, fmt)]
+    assert fmt is not None, name
+    return [
+        st[k].reshape(n_rows, -1) if states.is_metadata_key(k) else rows(st[k]) for k in states.storage_keys(name, fmt)
+    ]
 
 
 def _check_group(group: dict) -> None:
@@ -74,9 +80,11 @@ def _check_group(group: dict) -> None:
 
 def _check_mcf_param(p: Tensor) -> None:
     if p.dtype != torch.bfloat16:
-        raise ValueError(f"master='mcf' needs bfloat16 parameters (the parameter is the high part of the "
-                         f"pair), got {p.dtype} for a parameter of shape {tuple(p.shape)}; use "
-                         f"master='native' for {p.dtype} parameters")
+        raise ValueError(
+            f"master='mcf' needs bfloat16 parameters (the parameter is the high part of the "
+            f"pair), got {p.dtype} for a parameter of shape {tuple(p.shape)}; use "
+            f"master='native' for {p.dtype} parameters"
+        )
 
 
 class AdamW(torch.optim.Optimizer):
@@ -97,13 +105,33 @@ class AdamW(torch.optim.Optimizer):
     states="fp8" (their FP8 groups would depend on the shard boundaries).
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, states: str = "fp8", master: str = "mcf",
-                 mcf_second_moment: bool = False, group_size: int = 128, v_format: str = "e4m3",
-                 on_nonfinite: str = "skip", sync_group=None):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, states=states,
-                        master=master, mcf_second_moment=mcf_second_moment, group_size=group_size,
-                        v_format=v_format)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        states: str = "fp8",
+        master: str = "mcf",
+        mcf_second_moment: bool = False,
+        group_size: int = 128,
+        v_format: str = "e4m3",
+        on_nonfinite: str = "skip",
+        sync_group=None,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            states=states,
+            master=master,
+            mcf_second_moment=mcf_second_moment,
+            group_size=group_size,
+            v_format=v_format,
+        )
         self.on_nonfinite = guard.check_on_nonfinite(on_nonfinite)
         self.sync_group = sync_group
         self.skipped_steps = 0
@@ -113,6 +141,12 @@ class AdamW(torch.optim.Optimizer):
         self.kernels_enabled = True
         super().__init__(params, defaults)
 
+    @classmethod
+    def from_config(cls, params, config: OptimizerConfig, **hyperparameters: Any) -> AdamW:
+        """The AdamW that an sdpq config's `optimizer` section describes; `hyperparameters`: lr,
+        betas, eps, weight_decay (and on_nonfinite, sync_group)."""
+        return cls(params, **hyperparameters, **config.adamw_options())
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         _check_group(self.param_groups[-1])
@@ -121,8 +155,10 @@ class AdamW(torch.optim.Optimizer):
     def _init_state(self, p: Tensor, group: dict) -> dict:
         pl = local(p)
         if not pl.is_contiguous():
-            raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous: sdpq.optim.AdamW updates "
-                             "the storage in place through a flat view")
+            raise ValueError(
+                f"parameter of shape {tuple(p.shape)} is not contiguous: sdpq.optim.AdamW updates "
+                "the storage in place through a flat view"
+            )
         st = self.state[p]
         st["step"] = torch.tensor(0.0)
         fm, fv = self.formats(p, group)
@@ -140,8 +176,10 @@ class AdamW(torch.optim.Optimizer):
             return self._init_state(p, group)
         ref = st.get("exp_avg_codes", st.get("exp_avg"))
         if ref is not None and ref.numel() != local(p).numel():
-            raise ValueError(f"state of a parameter has {ref.numel()} elements but the parameter now has "
-                             f"{local(p).numel()}: a flat partition was resized or replaced by a different one")
+            raise ValueError(
+                f"state of a parameter has {ref.numel()} elements but the parameter now has "
+                f"{local(p).numel()}: a flat partition was resized or replaced by a different one"
+            )
         return st
 
     # ------------------------------------------------------------------ step
@@ -156,8 +194,10 @@ class AdamW(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 if p.grad is not None:
                     if p.grad.is_sparse:
-                        raise RuntimeError(f"param_groups[{gi}]['params'][{pi}] has a sparse gradient: "
-                                           "sdpq.optim.AdamW supports dense gradients only")
+                        raise RuntimeError(
+                            f"param_groups[{gi}]['params'][{pi}] has a sparse gradient: "
+                            "sdpq.optim.AdamW supports dense gradients only"
+                        )
                     todo.append((p, group))
                     names.append(f"param_groups[{gi}]['params'][{pi}]")
         every = [p for g in self.param_groups for p in g["params"]]
@@ -171,6 +211,8 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: Tensor, group: dict, st: dict) -> None:
+        grad = p.grad
+        assert grad is not None  # step() updates only parameters with a gradient
         st["step"] += 1
         pl = local(p)
         if pl.numel() == 0:
@@ -179,8 +221,8 @@ class AdamW(torch.optim.Optimizer):
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         b1, b2 = group["betas"]
         G, vf8 = group["group_size"], group["v_format"]
-        if self._native_applies(pl, p.grad, st):
-            self._native_step(pl, local(p.grad), group, st, int(step))
+        if self._native_applies(pl, grad, st):
+            self._native_step(pl, local(grad), group, st, int(step))
             return
         if self._fused_applies(pl, group, st):
             from ..kernels.adamw import adamw_fp8_mcf_step
@@ -189,16 +231,28 @@ class AdamW(torch.optim.Optimizer):
                 codes = rows(st[name + "_codes"])
                 return (codes,) + tuple(st[name + s].reshape(codes.shape[0], -1) for s in ("_scale", "_k", "_gm"))
 
-            adamw_fp8_mcf_step(rows(pl), rows(st["master_lo"]), local(p.grad).reshape(rows(pl).shape),
-                               moment("exp_avg"), moment("exp_avg_sq"), lr=lr, b1=b1, b2=b2, eps=eps, wd=wd,
-                               step=int(step), group_size=G)
+            adamw_fp8_mcf_step(
+                rows(pl),
+                rows(st["master_lo"]),
+                local(grad).reshape(rows(pl).shape),
+                moment("exp_avg"),
+                moment("exp_avg_sq"),
+                lr=lr,
+                b1=b1,
+                b2=b2,
+                eps=eps,
+                wd=wd,
+                step=int(step),
+                group_size=G,
+            )
             return
         bias_correction2_sqrt = (1 - b2**step) ** 0.5
         step_size = lr / (1 - b1**step)
         fm, fv = states.stored_format(st, "exp_avg"), states.stored_format(st, "exp_avg_sq")
+        assert fm is not None and fv is not None  # _state_for created both
         if fv == "pair":
             b2_hi, b2_lo = mcf.split_scalar(b2)
-        P, Gr = rows(pl), local(p.grad).reshape(rows(pl).shape)
+        P, Gr = rows(pl), local(grad).reshape(rows(pl).shape)
         lo = rows(st["master_lo"]) if "master_lo" in st else None
         for r, c in chunks(P.shape[0], P.shape[1], G, chunk_numel(pl.device)):
             g = Gr[r, c]
@@ -234,25 +288,49 @@ class AdamW(torch.optim.Optimizer):
         """The C++ step (sdpq.kernels.adamw_ops) covers every layout on CPU once built; it
         leaves out only foreign state dtypes (e.g. fp16 states loaded from a checkpoint) and
         parameters or gradients that are not fp32 / bf16 / fp16."""
-        return (self.kernels_enabled and pl.device.type == "cpu" and pl.dtype in _KERNEL_DTYPES
-                and local(grad).dtype in _KERNEL_DTYPES and _op_format(st, "exp_avg", "e4m3") not in (None, "pair")
-                and _op_format(st, "exp_avg_sq", "e4m3") is not None and adamw_ops.cpu_available())
+        return (
+            self.kernels_enabled
+            and pl.device.type == "cpu"
+            and pl.dtype in _KERNEL_DTYPES
+            and local(grad).dtype in _KERNEL_DTYPES
+            and _op_format(st, "exp_avg", "e4m3") not in (None, "pair")
+            and _op_format(st, "exp_avg_sq", "e4m3") is not None
+            and adamw_ops.cpu_available()
+        )
 
     def _native_step(self, pl: Tensor, grad: Tensor, group: dict, st: dict, step: int) -> None:
         P = rows(pl)
         b1, b2 = group["betas"]
         torch.ops.sdpq.adamw_step(
-            P, rows(st["master_lo"]) if "master_lo" in st else None, grad.reshape(P.shape).contiguous(),
-            _op_tensors(st, "exp_avg", P.shape[0]), _op_tensors(st, "exp_avg_sq", P.shape[0]),
-            _op_format(st, "exp_avg", "e4m3"), _op_format(st, "exp_avg_sq", group["v_format"]), float(group["lr"]),
-            float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), step, group["group_size"])
+            P,
+            rows(st["master_lo"]) if "master_lo" in st else None,
+            grad.reshape(P.shape).contiguous(),
+            _op_tensors(st, "exp_avg", P.shape[0]),
+            _op_tensors(st, "exp_avg_sq", P.shape[0]),
+            _op_format(st, "exp_avg", "e4m3"),
+            _op_format(st, "exp_avg_sq", group["v_format"]),
+            float(group["lr"]),
+            float(b1),
+            float(b2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            step,
+            group["group_size"],
+        )
 
     def _fused_applies(self, pl: Tensor, group: dict, st: dict) -> bool:
         """The one-kernel step (sdpq.kernels.adamw) covers the default layout on CUDA: E4M3
         m and v with expansion, MCF master, a power-of-two group size."""
         G = group["group_size"]
-        return (self.kernels_enabled and uses_kernels(pl) and "master_lo" in st and group["v_format"] == "e4m3" and G & (G - 1) == 0
-                and states.stored_format(st, "exp_avg") == "fp8" and states.stored_format(st, "exp_avg_sq") == "fp8")
+        return (
+            self.kernels_enabled
+            and uses_kernels(pl)
+            and "master_lo" in st
+            and group["v_format"] == "e4m3"
+            and G & (G - 1) == 0
+            and states.stored_format(st, "exp_avg") == "fp8"
+            and states.stored_format(st, "exp_avg_sq") == "fp8"
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -4,6 +4,7 @@ Saved state is exactly what is stored (so a resumed run is bitwise identical), w
 wrappers carrying the parameter's placements so torch.distributed.checkpoint can reshard it.
 Loading converts between formats (fp8 / bf16 / fp32 / pair / a plain torch AdamW state).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,15 @@ from .layout import from_saved, is_dtensor, local, to_global
 FORMAT_KEYS = ("states", "master", "mcf_second_moment", "group_size", "v_format")
 # torch.optim.AdamW group keys: exported with these values; on load, any other value is an
 # option sdpq cannot honour.
-TORCH_KEYS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-              "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+TORCH_KEYS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
 NAMES = ("exp_avg", "exp_avg_sq")
 
 
@@ -105,7 +113,7 @@ def _convert(opt, p, group: dict, saved_group: dict, entry: dict, where: str) ->
     if group["master"] == "mcf":
         lo = loc.get("master_lo")
         ok = isinstance(lo, torch.Tensor) and lo.shape == pl.shape and lo.dtype == torch.bfloat16
-        new["master_lo"] = lo.to(pl.device, copy=True) if ok else torch.zeros_like(pl)
+        new["master_lo"] = lo.to(pl.device, copy=True) if ok and lo is not None else torch.zeros_like(pl)
     return new
 
 
@@ -123,13 +131,14 @@ def saved_key(idx, by_index: dict):
 def load_state_dict(opt, sd: dict) -> None:
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, the optimizer "
-                         f"{len(opt.param_groups)}")
+        raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, the optimizer {len(opt.param_groups)}")
     by_index = {}
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         if len(saved["params"]) != len(group["params"]):
-            raise ValueError(f"param_groups[{gi}] has {len(saved['params'])} parameters in the state_dict "
-                             f"and {len(group['params'])} in the optimizer")
+            raise ValueError(
+                f"param_groups[{gi}] has {len(saved['params'])} parameters in the state_dict "
+                f"and {len(group['params'])} in the optimizer"
+            )
         for pi, (idx, p) in enumerate(zip(saved["params"], group["params"])):
             by_index[idx] = (p, group, saved, f"param_groups[{gi}]['params'][{pi}]")
     new_state = {}

@@ -5,6 +5,7 @@ Every rank must take the same decision, or shards of one model would diverge: th
 max-reduced over the meshes of DTensor parameters and over an optional process group (the
 ZeRO-3 data-parallel group, whose flat partitions are plain tensors). One host sync per step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,15 +43,21 @@ def nonfinite_index(params: list[Tensor], all_params: list[Tensor], sync_group=N
     """Index (into params, those with a gradient) of the first parameter whose local gradient
     has inf/nan, -1 when only another rank saw one, None when all are finite everywhere.
     all_params (every parameter of the optimizer, same on all ranks) picks the groups."""
-    grads = [local(p.grad) for p in params]
+    grads = [local(p.grad) for p in params if p.grad is not None]  # params: those with a gradient
     device = local(all_params[0]).device if all_params else torch.device("cpu")
     flag = torch.zeros(1, device=device)
     finite = None
     if grads:
         # min and max are finite iff every element is (NaN propagates); no temporaries, no
         # overflow; empty shards count as finite
-        ends = torch.stack([torch.stack(torch.aminmax(g.reshape(-1))).float().to(device) if g.numel()
-                            else torch.zeros(2, device=device) for g in grads])
+        ends = torch.stack(
+            [
+                torch.stack(torch.aminmax(g.reshape(-1))).float().to(device)
+                if g.numel()
+                else torch.zeros(2, device=device)
+                for g in grads
+            ]
+        )
         finite = torch.isfinite(ends).all(1)
         flag = (~finite).any().float().reshape(1)
     groups = _groups(all_params, sync_group)
@@ -69,7 +76,11 @@ def nonfinite_index(params: list[Tensor], all_params: list[Tensor], sync_group=N
 def handle(index: int, names: list[str], on_nonfinite: str, skipped: int) -> None:
     where = names[index] if index >= 0 else "a gradient on another rank"
     if on_nonfinite == "raise":
-        raise FloatingPointError(f"non-finite (inf/nan) gradient in {where}; pass on_nonfinite='skip' "
-                                 "to skip such steps instead")
-    logger.warning("sdpq.optim: non-finite gradient in %s: step skipped, states unchanged "
-                   "(%d step(s) skipped so far)", where, skipped)
+        raise FloatingPointError(
+            f"non-finite (inf/nan) gradient in {where}; pass on_nonfinite='skip' to skip such steps instead"
+        )
+    logger.warning(
+        "sdpq.optim: non-finite gradient in %s: step skipped, states unchanged (%d step(s) skipped so far)",
+        where,
+        skipped,
+    )

@@ -1,15 +1,17 @@
 """Shard layouts the optimizers work on: plain tensors, FSDP2 DTensor shards, ZeRO-3 flat
 partitions. All optimizer math is elementwise on the LOCAL tensor seen as rows x cols; FP8
 groups run along the last dim, so they only need the last dim to be unsharded."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
 
 try:  # DTensor is optional at runtime (builds without torch.distributed)
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
@@ -23,7 +25,7 @@ def chunk_numel(device: torch.device) -> int:
     return CHUNK_NUMEL.get(device.type, 1 << 22)
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     return DTensor is not None and isinstance(t, DTensor)
 
 
@@ -47,11 +49,12 @@ def fp8_groups_ok(p: Tensor) -> bool:
         return True
     if p.dim() < 2:
         return False
-    return all(not pl.is_shard() or pl.dim % p.dim() != p.dim() - 1 for pl in p.placements)
+    return all(not isinstance(pl, Shard) or pl.dim % p.dim() != p.dim() - 1 for pl in p.placements)
 
 
-def chunks(n_rows: int, n_cols: int, group_size: int, max_numel: int = CHUNK_NUMEL["cpu"]
-           ) -> Iterator[tuple[slice, slice]]:
+def chunks(
+    n_rows: int, n_cols: int, group_size: int, max_numel: int = CHUNK_NUMEL["cpu"]
+) -> Iterator[tuple[slice, slice]]:
     """Blocks of a rows x cols tensor of about max_numel elements; column blocks start and
     end on group boundaries (or the row end) so FP8 groups are never split."""
     if n_rows == 0 or n_cols == 0:

@@ -1,10 +1,12 @@
 """Measured optimizer memory: bytes per parameter of the tensors that exist, and the peak of
 the allocations made during one step()."""
+
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -72,14 +74,27 @@ def memory_report(optimizer, extra_weights: Iterable[Tensor] = ()) -> dict:
     for key, _, t in _state_tensors(optimizer):
         add(_kind(key, t), t)
     total = sum(out.values())
-    report = dict(numel=numel, **out, total=total, bytes_per_param=total / max(numel, 1))
+    report: dict[str, Any] = dict(numel=numel, **out, total=total, bytes_per_param=total / max(numel, 1))
     report["per_param"] = {k: out[k] / max(numel, 1) for k in KINDS}
     return report
 
 
 class _mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_in_use() -> Callable[[], int] | None:

@@ -11,6 +11,7 @@ Keeping only tensors (no strings) lets torch.save and torch.distributed.checkpoi
 them, and lets a checkpoint be read back in any format (``stored_format``).
 Blocks (rows, cols) address the 2-D row view of the local tensor (see layout.rows).
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,12 +70,13 @@ def allocate(st: dict, name: str, fmt: str, shape, device, fp8_fmt: str = "e4m3"
 def fp8_of(st: dict, name: str, fp8_fmt: str, group_size: int) -> FP8Quantized:
     """The FP8 state as 2-D views (rows x cols codes, rows x groups metadata)."""
     codes = rows(st[name + "_codes"])
-    meta = [st[name + s].reshape(codes.shape[0], st[name + s].shape[-1]) for s in METADATA_SUFFIXES]
-    return FP8Quantized(codes, *meta, fmt=fp8_fmt, group_size=group_size)
+    scale, k, gm = (st[name + s].reshape(codes.shape[0], st[name + s].shape[-1]) for s in METADATA_SUFFIXES)
+    return FP8Quantized(codes, scale, k, gm, fmt=fp8_fmt, group_size=group_size)
 
 
-def read(st: dict, name: str, fmt: str, r: slice = _ALL, c: slice = _ALL, fp8_fmt: str = "e4m3",
-         group_size: int = 128) -> Tensor:
+def read(
+    st: dict, name: str, fmt: str, r: slice = _ALL, c: slice = _ALL, fp8_fmt: str = "e4m3", group_size: int = 128
+) -> Tensor:
     """fp32 value of a block. For "fp32" this is a VIEW of the state (updates land in place);
     otherwise a fresh tensor that ``write`` encodes back."""
     if fmt == "fp8":
@@ -85,8 +87,16 @@ def read(st: dict, name: str, fmt: str, r: slice = _ALL, c: slice = _ALL, fp8_fm
     return block if block.dtype == torch.float32 else block.float()
 
 
-def write(st: dict, name: str, fmt: str, value: Tensor, r: slice = _ALL, c: slice = _ALL,
-          fp8_fmt: str = "e4m3", group_size: int = 128) -> None:
+def write(
+    st: dict,
+    name: str,
+    fmt: str,
+    value: Tensor,
+    r: slice = _ALL,
+    c: slice = _ALL,
+    fp8_fmt: str = "e4m3",
+    group_size: int = 128,
+) -> None:
     """Encode an fp32 block into the stored format, in place."""
     if fmt == "fp8":
         quantize_fp8(value, fp8_fmt, group_size, out=fp8_of(st, name, fp8_fmt, group_size).block(r, c))

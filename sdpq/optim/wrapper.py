@@ -8,6 +8,7 @@ state is ever uncompressed. Checkpoints follow sdpq.optim.AdamW's rules: exact s
 DTensors carrying the parameter's placements, and ``export_state_dict`` gives the wrapped
 optimizer's own (uncompressed) format, which ``load_state_dict`` also accepts.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,13 @@ _FORMATS = ("fp8", "bf16")
 _DTYPE = "_dtype"  # 0-d tensor of the original dtype marks a compressed state: tensors only
 
 
-def compress(optimizer: torch.optim.Optimizer, states: str = "fp8", group_size: int = 128,
-             on_nonfinite: str = "skip", sync_group=None) -> "CompressedOptimizer":
+def compress(
+    optimizer: torch.optim.Optimizer,
+    states: str = "fp8",
+    group_size: int = 128,
+    on_nonfinite: str = "skip",
+    sync_group=None,
+) -> CompressedOptimizer:
     """Wrap ``optimizer`` so its floating-point states stay compressed between steps."""
     return CompressedOptimizer(optimizer, states, group_size, on_nonfinite, sync_group)
 
@@ -32,11 +38,18 @@ def compress(optimizer: torch.optim.Optimizer, states: str = "fp8", group_size: 
 class CompressedOptimizer(torch.optim.Optimizer):
     """See ``compress``. ``inner`` is the wrapped optimizer; param_groups are shared with it."""
 
-    def __init__(self, inner: torch.optim.Optimizer, states: str = "fp8", group_size: int = 128,
-                 on_nonfinite: str = "skip", sync_group=None):
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        states: str = "fp8",
+        group_size: int = 128,
+        on_nonfinite: str = "skip",
+        sync_group=None,
+    ):
         if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, CompressedOptimizer):
-            raise TypeError(f"optimizer is a {type(inner).__name__}: compress() takes an uncompressed "
-                            "torch.optim.Optimizer")
+            raise TypeError(
+                f"optimizer is a {type(inner).__name__}: compress() takes an uncompressed torch.optim.Optimizer"
+            )
         if states not in _FORMATS:
             raise ValueError(f"states={states!r}: allowed values are {_FORMATS}")
         if not isinstance(group_size, int) or group_size < 1:
@@ -69,7 +82,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return None
         if is_dtensor(v) != is_dtensor(p):
             return None
-        if v.shape != p.shape or (is_dtensor(v) and tuple(v.placements) != tuple(p.placements)):
+        if v.shape != p.shape or (is_dtensor(v) and is_dtensor(p) and tuple(v.placements) != tuple(p.placements)):
             return None  # not a per-element state (e.g. Adafactor's factored row/col statistics: tiny)
         if self.compress_format == "fp8":
             return "fp8" if fp8_groups_ok(v) else None
@@ -118,8 +131,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups
-        todo = [(group, p, f"param_groups[{gi}]['params'][{pi}]") for gi, group in enumerate(groups)
-                for pi, p in enumerate(group["params"]) if p.grad is not None]
+        todo = [
+            (group, p, f"param_groups[{gi}]['params'][{pi}]")
+            for gi, group in enumerate(groups)
+            for pi, p in enumerate(group["params"])
+            if p.grad is not None
+        ]
         every = [p for g in groups for p in g["params"]]
         bad = guard.nonfinite_index([p for _, p, _ in todo], every, self.sync_group)
         if bad is not None:
@@ -168,8 +185,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             cst = self.state[p]
             meta = {n + s for n in _compressed_names(cst) for s in states.METADATA_SUFFIXES}
             covered = _storage_of(cst)
-            packed[ids[id(p)]] = {k: (to_global(v, p, k in meta) if k in covered and not k.endswith(_DTYPE) else v)
-                                  for k, v in cst.items()}
+            packed[ids[id(p)]] = {
+                k: (to_global(v, p, k in meta) if k in covered and not k.endswith(_DTYPE) else v)
+                for k, v in cst.items()
+            }
         return {"state": packed, "param_groups": groups}
 
     def export_state_dict(self) -> dict:
@@ -178,8 +197,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         packed = {}
         for p in self._entries():
             self._expand(p)
-            packed[ids[id(p)]] = {k: (v.clone() if isinstance(v, Tensor) else v)
-                                  for k, v in self.inner.state[p].items()}
+            packed[ids[id(p)]] = {
+                k: (v.clone() if isinstance(v, Tensor) else v) for k, v in self.inner.state[p].items()
+            }
             self._shrink(p)
         return {"state": packed, "param_groups": groups}
 
@@ -187,13 +207,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Load a state_dict of this wrapper (any compression) or of the wrapped optimizer."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, the optimizer "
-                             f"{len(self.param_groups)}")
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} parameter groups, the optimizer {len(self.param_groups)}"
+            )
         by_index = {}
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"param_groups[{gi}] has {len(saved['params'])} parameters in the state_dict "
-                                 f"and {len(group['params'])} in the optimizer")
+                raise ValueError(
+                    f"param_groups[{gi}] has {len(saved['params'])} parameters in the state_dict "
+                    f"and {len(group['params'])} in the optimizer"
+                )
             by_index.update({i: (p, saved) for i, p in zip(saved["params"], group["params"])})
         self.state.clear()
         self.inner.state.clear()
@@ -203,17 +226,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
             covered = _storage_of(entry)
             want = "fp8" if self.compress_format == "fp8" else "bf16"
             same = saved.get("sdpq_group_size", self.group_size) == self.group_size
-            if names and same and all(states.stored_format(entry, n) == want for n in names) and not any(
-                    self._format(p, v) for k, v in entry.items() if k not in covered):
+            if (
+                names
+                and same
+                and all(states.stored_format(entry, n) == want for n in names)
+                and not any(self._format(p, v) for k, v in entry.items() if k not in covered)
+            ):
                 # exactly this wrapper's storage: copy it (re-encoding decoded values would not
                 # reproduce the same codes, and a resumed run would not be bitwise identical)
-                self.state[p] = {k: (from_saved(v, p).clone() if k in covered and not k.endswith(_DTYPE)
-                                     else (v.clone() if isinstance(v, Tensor) else v)) for k, v in entry.items()}
+                self.state[p] = {
+                    k: (
+                        from_saved(v, p).clone()
+                        if k in covered and not k.endswith(_DTYPE)
+                        else (v.clone() if isinstance(v, Tensor) else v)
+                    )
+                    for k, v in entry.items()
+                }
                 continue
             st = {}
             for name in names:
-                loc = {k: from_saved(entry[k], p)
-                       for k in states.storage_keys(name, states.stored_format(entry, name) or "bf16")}
+                loc = {
+                    k: from_saved(entry[k], p)
+                    for k in states.storage_keys(name, states.stored_format(entry, name) or "bf16")
+                }
                 value = states.decode(loc, name, group_size=saved.get("sdpq_group_size", self.group_size))
                 st[name] = to_global(value.to(entry[name + _DTYPE].dtype), p)
             for k, v in entry.items():
@@ -226,8 +261,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
 
 def _compressed_names(cst: dict) -> list[str]:
-    return [k[: -len(_DTYPE)] for k, v in cst.items()
-            if k.endswith(_DTYPE) and isinstance(v, Tensor) and v.dim() == 0]
+    return [k[: -len(_DTYPE)] for k, v in cst.items() if k.endswith(_DTYPE) and isinstance(v, Tensor) and v.dim() == 0]
 
 
 def _storage_of(cst: dict) -> set[str]:

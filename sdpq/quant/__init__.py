@@ -2,7 +2,7 @@
 
 from . import mcf
 from .fp8 import FP8Quantized, dequantize_fp8, fp8_empty, quantize_fp8
-from .groupwise import QuantSpec, Quantized, dequantize, nonfinite_groups, quantize, relative_error
+from .groupwise import Quantized, QuantSpec, dequantize, nonfinite_groups, quantize, relative_error
 from .hadamard import hadamard, inverse_hadamard
 from .wire import decode, encode, pack, unpack
 

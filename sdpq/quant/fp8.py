@@ -19,6 +19,7 @@ Everything is computed in fp32 (log2 domain, so mn * mx and R never overflow) an
 vectorised: no loop over groups, no host synchronisation. Codes are uint8 views of the float8
 bits (gloo cannot send float8). Metadata is fp32 whatever the input dtype.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,19 +77,18 @@ class FP8Quantized:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def block(self, rows: slice, cols: slice) -> "FP8Quantized":
+    def block(self, rows: slice, cols: slice) -> FP8Quantized:
         """Views of a 2-D quantized tensor restricted to rows x cols (cols group-aligned)."""
         G = self.group_size
         c0, c1 = cols.start or 0, cols.stop if cols.stop is not None else self.codes.shape[-1]
         if c0 % G or (c1 % G and c1 != self.codes.shape[-1]):
             raise ValueError(f"cols={cols}: block columns must start and end on a group boundary of {G}")
         g = slice(c0 // G, _num_groups(c1, G))
-        meta = [None if t is None else t[rows, g] for t in (self.scale, self.k, self.gm)]
-        return FP8Quantized(self.codes[rows, c0:c1], *meta, fmt=self.fmt, group_size=G)
+        k, gm = (None if t is None else t[rows, g] for t in (self.k, self.gm))
+        return FP8Quantized(self.codes[rows, c0:c1], self.scale[rows, g], k, gm, fmt=self.fmt, group_size=G)
 
 
-def fp8_empty(shape, fmt: str = "e4m3", group_size: int = 128, expand: bool = True,
-              device=None) -> FP8Quantized:
+def fp8_empty(shape, fmt: str = "e4m3", group_size: int = 128, expand: bool = True, device=None) -> FP8Quantized:
     """Preallocated (all-zero, decodes to zeros) buffers for a tensor of ``shape``."""
     _fmt_dtype(fmt)
     if group_size < 1:
@@ -96,8 +96,14 @@ def fp8_empty(shape, fmt: str = "e4m3", group_size: int = 128, expand: bool = Tr
     shape = torch.Size(shape)
     meta_shape = (shape[:-1] + (_num_groups(shape[-1], group_size),)) if len(shape) else (1,)
     z = lambda: torch.zeros(meta_shape, dtype=torch.float32, device=device)  # noqa: E731
-    return FP8Quantized(torch.zeros(shape, dtype=torch.uint8, device=device), z(),
-                        z() if expand else None, z() if expand else None, fmt, group_size)
+    return FP8Quantized(
+        torch.zeros(shape, dtype=torch.uint8, device=device),
+        z(),
+        z() if expand else None,
+        z() if expand else None,
+        fmt,
+        group_size,
+    )
 
 
 def _grouped(x: Tensor, group_size: int) -> Tensor:
@@ -111,8 +117,9 @@ def _grouped(x: Tensor, group_size: int) -> Tensor:
     return x2.view(x2.shape[0], -1, group_size)
 
 
-def quantize_fp8(x: Tensor, fmt: str = "e4m3", group_size: int = 128, expand: bool = True,
-                 out: FP8Quantized | None = None) -> FP8Quantized:
+def quantize_fp8(
+    x: Tensor, fmt: str = "e4m3", group_size: int = 128, expand: bool = True, out: FP8Quantized | None = None
+) -> FP8Quantized:
     """Quantize x (fp32/bf16/fp16, any shape, any device) to FP8 groups along its last dim.
 
     ``out``: preallocated buffers (e.g. from ``fp8_empty`` or ``FP8Quantized.block``) written
@@ -126,15 +133,17 @@ def quantize_fp8(x: Tensor, fmt: str = "e4m3", group_size: int = 128, expand: bo
     if out is None:
         out = fp8_empty(x.shape, fmt, group_size, expand, x.device)
     elif out.fmt != fmt or out.group_size != group_size or out.expand != expand or out.shape != x.shape:
-        raise ValueError(f"out is ({out.fmt}, G={out.group_size}, expand={out.expand}, {tuple(out.shape)}) "
-                         f"but x needs ({fmt}, G={group_size}, expand={expand}, {tuple(x.shape)})")
+        raise ValueError(
+            f"out is ({out.fmt}, G={out.group_size}, expand={out.expand}, {tuple(out.shape)}) "
+            f"but x needs ({fmt}, G={group_size}, expand={expand}, {tuple(x.shape)})"
+        )
     if x.numel() == 0:
         return out
     g = _grouped(x, group_size)
     a = g.abs()
     mx = a.amax(-1)  # NaN propagates through amax: a NaN anywhere makes the group non-finite
     bad = ~torch.isfinite(mx)
-    if expand:
+    if out.k is not None and out.gm is not None:  # expand (checked against `out` above)
         # Exact zeros (and padding) must not reach the minimum: they would make R infinite
         # and collapse k (the reference kernel's defect at some offsets).
         mn = torch.where(a > 0, a, math.inf).amin(-1)
@@ -186,7 +195,7 @@ def dequantize_fp8(q: FP8Quantized, dtype: torch.dtype = torch.float32, out: Ten
     codes = q.codes.reshape(-1).int()
     c = _grouped(_table(q.fmt, codes.device).index_select(0, codes).view(-1, n), q.group_size)
     s = q.scale.reshape(c.shape[0], -1)
-    if q.expand:
+    if q.k is not None and q.gm is not None:  # q.expand
         # |c s|^(1/k) gm = exp2(log2|c| / k + (log2 s / k + log2 gm)); a non-finite group gets
         # a NaN offset so all its elements, zeros included, decode to NaN.
         inv_k = 1 / q.k.reshape(s.shape)

@@ -32,8 +32,15 @@ from .hadamard import hadamard as _hadamard
 from .hadamard import inverse_hadamard, signs
 from .wire import pack, unpack
 
-__all__ = ["encode_rows", "decode_rows", "reduce_rows", "poison_scales_", "wire_nonfinite", "uses_kernels",
-           "uses_native"]
+__all__ = [
+    "encode_rows",
+    "decode_rows",
+    "reduce_rows",
+    "poison_scales_",
+    "wire_nonfinite",
+    "uses_kernels",
+    "uses_native",
+]
 
 Hadamard = tuple[int, int]  # (block, seed)
 
@@ -45,8 +52,10 @@ def _triton_mode() -> str:
     if want == "0":
         return "off"
     if want == "interpret" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("SDPQ_TRITON=interpret: also set TRITON_INTERPRET=1 in the environment "
-                           "(Triton reads it when it is imported, which may already have happened)")
+        raise RuntimeError(
+            "SDPQ_TRITON=interpret: also set TRITON_INTERPRET=1 in the environment "
+            "(Triton reads it when it is imported, which may already have happened)"
+        )
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -89,9 +98,16 @@ def _kernel_signs(h: Hadamard | None, device: torch.device) -> tuple[int, torch.
     return None if h is None else (h[0], signs(h[0], h[1], device))
 
 
-def encode_rows(x: torch.Tensor, spec: QuantSpec, *, ref: torch.Tensor | None = None, segments: int = 1,
-                hadamard: Hadamard | None = None, own_row: int | None = None,
-                generator: torch.Generator | None = None):
+def encode_rows(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    ref: torch.Tensor | None = None,
+    segments: int = 1,
+    hadamard: Hadamard | None = None,
+    own_row: int | None = None,
+    generator: torch.Generator | None = None,
+):
     """x [R, n] -> (wire uint8 [R / segments, spec.wire_bytes(segments * n)], own, nonfinite).
 
     Values are ``x - ref`` (fp32) when `ref` is given, then ``H D`` when `hadamard` = (block,
@@ -104,15 +120,22 @@ def encode_rows(x: torch.Tensor, spec: QuantSpec, *, ref: torch.Tensor | None = 
         raise ValueError(f"encode_rows: {R} rows do not split into {segments} segments")
     if _use_op(x) and (segments == 1 or n % spec.group_size == 0):
         signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], x.device)
-        wire, own, flag = torch.ops.sdpq.encode_rows(x, ref, segments, *_spec_args(spec), signs_t,
-                                                     -1 if own_row is None else own_row, _seed(generator))
+        wire, own, flag = torch.ops.sdpq.encode_rows(
+            x, ref, segments, *_spec_args(spec), signs_t, -1 if own_row is None else own_row, _seed(generator)
+        )
         return wire, (own if own_row is not None else None), flag
     if uses_kernels(x):
         from ..kernels import codec
 
-        wire, own, flag = codec.encode_rows(x, spec, ref=ref, segments=segments,
-                                            hadamard=_kernel_signs(hadamard, x.device), own_row=own_row,
-                                            seed=_seed(generator))
+        wire, own, flag = codec.encode_rows(
+            x,
+            spec,
+            ref=ref,
+            segments=segments,
+            hadamard=_kernel_signs(hadamard, x.device),
+            own_row=own_row,
+            seed=_seed(generator),
+        )
         return wire, own, flag[0] > 0
     return _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator)
 
@@ -129,7 +152,9 @@ def _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator):
     return pack(q, spec), own, nonfinite_groups(q).any()
 
 
-def decode_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
+def decode_rows(
+    buf: torch.Tensor, spec: QuantSpec, numel: int, out: torch.Tensor, *, add: bool = False
+) -> torch.Tensor:
     """wire [R, wire_bytes(numel)] -> out [R, numel] (its dtype); ``out += values`` (fp32 math) if add."""
     if _use_op(buf) and out.dim() == 2 and out.stride(1) == 1:
         torch.ops.sdpq.decode_rows(buf, numel, spec.bits, spec.group_size, spec.scale_dtype == torch.bfloat16, out, add)
@@ -147,9 +172,20 @@ def _decode_rows_ref(buf, spec, numel, out, add):
     return out
 
 
-def reduce_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, own: torch.Tensor, own_row: int,
-                bad: torch.Tensor, *, hadamard: Hadamard | None = None, encode_spec: QuantSpec | None = None,
-                encode_numel: int = 0, own_seg: int = -1, generator: torch.Generator | None = None):
+def reduce_rows(
+    buf: torch.Tensor,
+    spec: QuantSpec,
+    numel: int,
+    own: torch.Tensor,
+    own_row: int,
+    bad: torch.Tensor,
+    *,
+    hadamard: Hadamard | None = None,
+    encode_spec: QuantSpec | None = None,
+    encode_numel: int = 0,
+    own_seg: int = -1,
+    generator: torch.Generator | None = None,
+):
     """Sum of the decoded rows of buf [R, wire_bytes(numel)], row `own_row` replaced by `own`
     (fp32 [numel]), plus NaN if `bad` (0-dim bool) -> fp32 [numel], inverse-Hadamard'd with
     `hadamard`. With `encode_spec` the sum is instead split into rows of `encode_numel` and
@@ -158,24 +194,49 @@ def reduce_rows(buf: torch.Tensor, spec: QuantSpec, numel: int, own: torch.Tenso
     if _use_op(buf):
         signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], buf.device)
         enc = _spec_args(encode_spec) if encode_spec is not None else (0, 2, spec.rounding == "stochastic", False)
-        out, own_out, flag = torch.ops.sdpq.reduce_rows(buf, numel, spec.bits, spec.group_size,
-                                                        spec.scale_dtype == torch.bfloat16, own.reshape(-1), own_row,
-                                                        bad, signs_t, enc[0], enc[1], enc[2], enc[3], encode_numel,
-                                                        own_seg, _seed(generator))
+        out, own_out, flag = torch.ops.sdpq.reduce_rows(
+            buf,
+            numel,
+            spec.bits,
+            spec.group_size,
+            spec.scale_dtype == torch.bfloat16,
+            own.reshape(-1),
+            own_row,
+            bad,
+            signs_t,
+            enc[0],
+            enc[1],
+            enc[2],
+            enc[3],
+            encode_numel,
+            own_seg,
+            _seed(generator),
+        )
         return out if encode_spec is None else (out, own_out, flag)
     bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
     if uses_kernels(buf):
         from ..kernels import codec
 
-        res = codec.reduce_rows(buf, spec, numel, own.reshape(-1), own_row, bad_f, hadamard=_kernel_signs(hadamard, buf.device),
-                                encode_spec=encode_spec, encode_rows_n=encode_numel, own_seg=own_seg,
-                                seed=_seed(generator))
+        res = codec.reduce_rows(
+            buf,
+            spec,
+            numel,
+            own.reshape(-1),
+            own_row,
+            bad_f,
+            hadamard=_kernel_signs(hadamard, buf.device),
+            encode_spec=encode_spec,
+            encode_rows_n=encode_numel,
+            own_seg=own_seg,
+            seed=_seed(generator),
+        )
         if encode_spec is None:
             return res
         wire, own_out, flag = res
         return wire, own_out, flag[0] > 0
-    return _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg,
-                            generator)
+    return _reduce_rows_ref(
+        buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator
+    )
 
 
 def _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator):
@@ -196,7 +257,7 @@ def _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spe
 
 def wire_nonfinite(wire: torch.Tensor, spec: QuantSpec, numel: int) -> torch.Tensor:
     """0-dim bool: any scale of the wire rows [R, wire_bytes(numel)] is inf/NaN (reads scales only)."""
-    region = wire[:, spec.code_bytes(numel):].contiguous()  # may start at an odd offset: copy to align
+    region = wire[:, spec.code_bytes(numel) :].contiguous()  # may start at an odd offset: copy to align
     return ~torch.isfinite(region.view(spec.scale_dtype)).all()
 
 

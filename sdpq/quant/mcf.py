@@ -10,6 +10,7 @@ The exact product ``mul_`` forms the product error explicitly (hi*b_hi is exact 
 significant bits) and never writes into a tensor it still has to read: the published reference
 aliased the product tensor and applied beta2 twice (effective beta2 0.85 instead of 0.95).
 """
+
 from __future__ import annotations
 
 import torch

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .groupwise import QuantSpec, Quantized, dequantize, quantize
+from .groupwise import Quantized, QuantSpec, dequantize, quantize
 
 __all__ = ["pack", "unpack", "encode", "decode"]
 

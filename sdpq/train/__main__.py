@@ -46,14 +46,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
-    p.add_argument("--mixed-precision", choices=["bf16"], default=None,
-                   help="bf16 compute on full-precision parameters: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
-                        "reduce_dtype=fp32), DeepSpeed bf16 mode (fp32 master)")
+    p.add_argument(
+        "--mixed-precision",
+        choices=["bf16"],
+        default=None,
+        help="bf16 compute on full-precision parameters: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
+        "reduce_dtype=fp32), DeepSpeed bf16 mode (fp32 master)",
+    )
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--data", default=None, help="directory of text files or Megatron .bin/.idx prefix (default: stdlib source)")
+    p.add_argument(
+        "--data", default=None, help="directory of text files or Megatron .bin/.idx prefix (default: stdlib source)"
+    )
     p.add_argument("--ranks-per-node", default="auto", help="'auto' (launcher's LOCAL_WORLD_SIZE) or an integer")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step")
@@ -61,8 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank at the end (0 = none)")
     p.add_argument("--out", default=None, help="write the result (JSON) here (rank 0)")
-    p.add_argument("--timing", action="store_true",
-                   help="record per-step time spans (compute, codec, communication, optimizer) in the result")
+    p.add_argument(
+        "--timing",
+        action="store_true",
+        help="record per-step time spans (compute, codec, communication, optimizer) in the result",
+    )
     # The deepspeed launcher appends --local_rank=N; the environment (LOCAL_RANK) says the same.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -72,21 +81,35 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     return RunSpec(
         backend=args.backend,
         model=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model),
-        sdpq=_sdpq_block(args.config), steps=args.steps, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-        lr=args.lr, warmup=args.warmup, bf16=args.bf16, mixed_precision=args.mixed_precision, seed=args.seed,
-        data=args.data, ranks_per_node=rpn,
-        checkpoint_dir=args.checkpoint_dir, save_at=args.save_at, resume=args.resume, log_every=args.log_every,
-        eval_batches=args.eval_batches, timing=args.timing,
+        sdpq=_sdpq_block(args.config),
+        steps=args.steps,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        warmup=args.warmup,
+        bf16=args.bf16,
+        mixed_precision=args.mixed_precision,
+        seed=args.seed,
+        data=args.data,
+        ranks_per_node=rpn,
+        checkpoint_dir=args.checkpoint_dir,
+        save_at=args.save_at,
+        resume=args.resume,
+        log_every=args.log_every,
+        eval_batches=args.eval_batches,
+        timing=args.timing,
     )
 
 
 def train(spec: RunSpec) -> RunResult:
     """Dispatch to the backend (each module imports its framework only when chosen)."""
     if spec.backend == "fsdp2":
-        from .fsdp_backend import train as run
-    else:
-        from .deepspeed_backend import train as run
-    return run(spec)
+        from . import fsdp_backend
+
+        return fsdp_backend.train(spec)
+    from . import deepspeed_backend
+
+    return deepspeed_backend.train(spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
 
     job = init_distributed()
     if job.rank == 0:
-        print(f"[sdpq.train] launcher={job.launcher} world={job.world_size} local={job.local_world_size} "
-              f"backend={spec.backend} sdpq={'on' if spec.sdpq is not None else 'off'}", flush=True)
+        print(
+            f"[sdpq.train] launcher={job.launcher} world={job.world_size} local={job.local_world_size} "
+            f"backend={spec.backend} sdpq={'on' if spec.sdpq is not None else 'off'}",
+            flush=True,
+        )
     result = train(spec)
     if job.rank == 0:
         summary = {k: v for k, v in asdict(result).items() if k != "losses"}

@@ -56,7 +56,16 @@ def _read_megatron(prefix: Path) -> np.ndarray:
             raise ValueError(f"{prefix}.idx: not a Megatron indexed dataset (bad magic)")
         (_version,) = struct.unpack("<Q", f.read(8))
         (code,) = struct.unpack("<B", f.read(1))
-    dtypes = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+    dtypes = {
+        1: np.uint8,
+        2: np.int8,
+        3: np.int16,
+        4: np.int32,
+        5: np.int64,
+        6: np.float64,
+        7: np.float32,
+        8: np.uint16,
+    }
     if code not in dtypes:
         raise ValueError(f"{prefix}.idx: unknown dtype code {code}")
     return np.memmap(prefix.with_suffix(".bin"), dtype=dtypes[code], mode="r")
@@ -73,11 +82,11 @@ class TokenData:
         self.split = int(tokens.size * 0.95)
 
     @classmethod
-    def stdlib(cls, max_bytes: int = 16 << 20) -> "TokenData":
+    def stdlib(cls, max_bytes: int = 16 << 20) -> TokenData:
         return cls(np.memmap(stdlib_corpus(max_bytes), dtype=np.uint8, mode="r"))
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike) -> "TokenData":
+    def from_path(cls, path: str | os.PathLike) -> TokenData:
         """A directory of text files (bytes), or a Megatron ``prefix`` with .bin/.idx beside it."""
         p = Path(path)
         if p.with_suffix(".idx").exists() and p.with_suffix(".bin").exists():

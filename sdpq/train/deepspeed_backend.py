@@ -21,8 +21,18 @@ from ..comm import stats as comm_stats
 from ..comm import timing
 from .data import TokenData
 from .model import GPT
-from .run import (RunResult, RunSpec, digest, gather_step_timing, lr_at, median_step_seconds, step_timing,
-                  validation_loss)
+from .run import (
+    TORCH_COLLECTIVES,
+    RunResult,
+    RunSpec,
+    digest,
+    gather_comm,
+    gather_step_timing,
+    lr_at,
+    median_step_seconds,
+    step_timing,
+    validation_loss,
+)
 
 __all__ = ["train", "ds_config", "optimizer_bytes_per_param", "CKPT_TAG"]
 
@@ -31,11 +41,23 @@ CKPT_TAG = "step{step}"
 # Collectives timed as "comm.other" with spec.timing: ZeRO-3 calls deepspeed.comm (handles of
 # asynchronous ones are wrapped so that their wait() is timed too); torch.distributed below it
 # only for what bypasses deepspeed.comm.
-_DS_COLLECTIVES = ("all_gather_into_tensor", "allgather_fn", "all_gather", "all_gather_coalesced", "reduce_scatter_fn",
-                   "reduce_scatter_tensor", "reduce_scatter", "reduce_scatter_coalesced", "all_reduce",
-                   "all_reduce_coalesced", "inference_all_reduce", "broadcast", "all_to_all_single", "barrier", "reduce")
-_TORCH_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-                      "all_reduce", "all_to_all_single", "broadcast", "all_gather", "reduce_scatter", "barrier")
+_DS_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "allgather_fn",
+    "all_gather",
+    "all_gather_coalesced",
+    "reduce_scatter_fn",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "reduce_scatter_coalesced",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "inference_all_reduce",
+    "broadcast",
+    "all_to_all_single",
+    "barrier",
+    "reduce",
+)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -54,8 +76,16 @@ def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
         "gradient_accumulation_steps": spec.grad_accum,
         "gradient_clipping": spec.grad_clip,
         "zero_optimization": {"stage": 3},
-        "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas), "eps": 1e-8,
-                                                  "weight_decay": spec.weight_decay, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": spec.lr,
+                "betas": list(spec.betas),
+                "eps": 1e-8,
+                "weight_decay": spec.weight_decay,
+                "torch_adam": True,
+            },
+        },
         "bf16": {"enabled": bool(spec.bf16 or spec.mixed_precision == "bf16")},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -66,8 +96,6 @@ def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
             block["topology"] = dict(block.get("topology", {}), ranks_per_node=spec.ranks_per_node)
         cfg["sdpq"] = block
     return _merge(cfg, overrides or {})
-
-
 
 
 def optimizer_bytes_per_param(engine) -> float:
@@ -89,10 +117,9 @@ def optimizer_bytes_per_param(engine) -> float:
     return float(t[0] / t[1])
 
 
-
-
-def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
-          ds_overrides: dict | None = None) -> RunResult:
+def train(
+    spec: RunSpec, *, data: TokenData | None = None, checks: bool = False, ds_overrides: dict | None = None
+) -> RunResult:
     """Run `spec` with DeepSpeed ZeRO-3 on the initialised default process group (every rank
     calls it). checks: record in `extra` digests of every parameter partition and weight
     reference at the end (bitwise comparisons in tests). ds_overrides: merged into the
@@ -113,16 +140,33 @@ def train(spec: RunSpec, *, data: TokenData | None = None, checks: bool = False,
 def _comm_modules() -> list:
     import deepspeed.comm as ds_comm
 
-    return [(ds_comm, _DS_COLLECTIVES, True), (dist, _TORCH_COLLECTIVES, False)]
+    return [(ds_comm, _DS_COLLECTIVES, True), (dist, TORCH_COLLECTIVES, False)]
 
 
-def _train(spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, checks: bool,
-           ds_overrides: dict | None) -> RunResult:
+def _check_records(engine, adapter) -> dict[str, Any]:
+    """What `checks` records, keyed by parameter name (ds_id numbering continues across engines in
+    a process): every rank's final partitions and weight references."""
+    names: dict[int, str] = {}
+    for n, p in engine.module.named_parameters():
+        names.setdefault(p.ds_id, n)
+    out: dict[str, Any] = {"partition_digests": {n: digest(p.ds_tensor) for n, p in engine.module.named_parameters()}}
+    if adapter is not None:
+        out["references"] = {
+            names[i]: (adapter.topology.local_rank, None if wg.reference is None else digest(wg.reference))
+            for i, wg in adapter.weights.items()
+        }
+    return out
+
+
+def _train(
+    spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, checks: bool, ds_overrides: dict | None
+) -> RunResult:
     torch.manual_seed(spec.seed)
     model = GPT(spec.model)
     n_params = model.num_params()
-    engine, _, _, _ = sdpq_ds.initialize(model=model, model_parameters=model.parameters(),
-                                         config=ds_config(spec, ds_overrides))
+    engine, _, _, _ = sdpq_ds.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(spec, ds_overrides)
+    )
     adapter = sdpq_ds.get_adapter(engine)
     start = 0
     if spec.resume:
@@ -157,23 +201,21 @@ def _train(spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, check
         if spec.timing:
             spans.append(timing.take())
         if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
-            print(f"step {step + 1:5d}  loss(rank0) {float(local[step]):.4f}  lr {lr:.2e}  {times[-1]:.3f}s",
-                  flush=True)
+            print(
+                f"step {step + 1:5d}  loss(rank0) {float(local[step]):.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True
+            )
         if spec.save_at is not None and step + 1 == spec.save_at:
             if not spec.checkpoint_dir:
                 raise ValueError("RunSpec.save_at needs checkpoint_dir")
-            engine.save_checkpoint(spec.checkpoint_dir, tag=CKPT_TAG.format(step=step + 1),
-                                   client_state={"step": step + 1})
+            engine.save_checkpoint(
+                spec.checkpoint_dir, tag=CKPT_TAG.format(step=step + 1), client_state={"step": step + 1}
+            )
     dist.all_reduce(local)  # one collective for the whole loss curve
     for s in range(start, spec.steps):
         losses[s] = float(local[s]) / world
     # Statistics of the training steps only (evaluation gathers come after).
-    mine = comm_stats.process_stats().as_dict()
-    per_rank: list = [None] * world
-    dist.all_gather_object(per_rank, mine)
-    comm = {"total": comm_stats.sum_over_ranks(per_rank), "per_rank": per_rank}
+    comm, inter = gather_comm(world)
     steps_run = spec.steps - start
-    inter = sum(links.get("inter", {}).get("bytes", 0) for links in comm["total"].values())
 
     engine.eval()
     val = validation_loss(engine, data, spec, rank, world)
@@ -193,15 +235,8 @@ def _train(spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, check
     }
     if spec.timing:
         extra["timing"] = gather_step_timing(spans, world)
-    if checks:  # keyed by parameter name (ds_id numbering continues across engines in a process)
-        names = {}
-        for n, p in engine.module.named_parameters():
-            names.setdefault(p.ds_id, n)
-        extra["partition_digests"] = {n: digest(p.ds_tensor) for n, p in engine.module.named_parameters()}
-        if adapter is not None:
-            extra["references"] = {names[i]: (adapter.topology.local_rank,
-                                              None if wg.reference is None else digest(wg.reference))
-                                   for i, wg in adapter.weights.items()}
+    if checks:
+        extra.update(_check_records(engine, adapter))
     result = RunResult(
         losses=losses,
         val_loss=val,

@@ -14,7 +14,8 @@ tokens of the uninterrupted one.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,15 +28,20 @@ from ..config import Config
 from ..integrations import fsdp as sdpq_fsdp
 from .data import TokenData
 from .model import GPT
-from .run import (RunResult, RunSpec, digest, gather_step_timing, lr_at, median_step_seconds, step_timing,
-                  validation_loss)
+from .run import (
+    TORCH_COLLECTIVES,
+    RunResult,
+    RunSpec,
+    digest,
+    gather_comm,
+    gather_step_timing,
+    lr_at,
+    median_step_seconds,
+    step_timing,
+    validation_loss,
+)
 
 __all__ = ["train", "build_model", "build_optimizer", "save_checkpoint", "load_checkpoint", "mp_policy_for"]
-
-# torch.distributed collectives timed as "comm.other" with spec.timing (FSDP2 calls them
-# synchronously on CPU; their work handles stay unwrapped: FSDP2 checks isinstance(work, Work)).
-_TORCH_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-                      "all_reduce", "all_to_all_single", "broadcast", "all_gather", "reduce_scatter", "barrier")
 
 
 def mp_policy_for(spec: RunSpec) -> MixedPrecisionPolicy | None:
@@ -58,9 +64,15 @@ def sdpq_config(spec: RunSpec) -> Config | None:
     return cfg
 
 
-def build_model(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True, freeze: Iterable[str] = (),
-                per_block: Callable[[nn.Module], nn.Module] | None = None) -> GPT:
+def build_model(
+    spec: RunSpec,
+    *,
+    mesh=None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    freeze: Iterable[str] = (),
+    per_block: Callable[[nn.Module], nn.Module] | None = None,
+) -> GPT:
     """The GPT, identical on every rank (seeded), bf16 if spec.bf16, parameters whose name starts
     with a prefix in `freeze` frozen, sharded per block and at the root. per_block(block) runs on
     each block before it is sharded and returns what replaces it (activation checkpointing, then
@@ -90,14 +102,12 @@ def build_model(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | N
 def build_optimizer(spec: RunSpec, model, cfg: Config | None) -> tuple[torch.optim.Optimizer, str]:
     """sdpq.optim.AdamW when the sdpq block enables it, else torch.optim.AdamW; (optimizer, name)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    kw = dict(lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    kw: dict[str, Any] = dict(lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
     if cfg is not None and cfg.optimizer.enabled:
         from ..optim import AdamW  # the optimizer layer (fp8/bf16/fp32 states, MCF/native master)
 
         o = cfg.optimizer
-        opt = AdamW(params, **kw, states=o.states, master=o.master, mcf_second_moment=o.mcf_second_moment,
-                    group_size=o.group_size, v_format=o.v_format)
-        return opt, f"sdpq.optim.AdamW(states={o.states}, master={o.master})"
+        return AdamW.from_config(params, o, **kw), f"sdpq.optim.AdamW(states={o.states}, master={o.master})"
     return torch.optim.AdamW(params, **kw), "torch.optim.AdamW"
 
 
@@ -140,8 +150,6 @@ def load_checkpoint(path: str, model, opt) -> int:
 # ----------------------------------------------------------------------------- statistics
 
 
-
-
 def _optimizer_bytes_per_param(opt, model) -> float:
     params = [p for p in model.parameters()]
     try:
@@ -149,8 +157,11 @@ def _optimizer_bytes_per_param(opt, model) -> float:
 
         rep = memory_report(opt)
         nbytes = sum(rep.get(k, 0) for k in ("weights", "master", "states", "metadata"))
-        numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params
-                    if any(p is q for g in opt.param_groups for q in g["params"]))
+        numel = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel()
+            for p in params
+            if any(p is q for g in opt.param_groups for q in g["params"])
+        )
         # Frozen parameters are weights too.
         nbytes += sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params if not p.requires_grad)
         numel += sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params if not p.requires_grad)
@@ -175,7 +186,7 @@ def _forward_digests(model, record: list) -> list:
     unsharded parameters: what this rank's forward computes with."""
     handles = []
     for name, m in model.named_modules():
-        if not isinstance(m, FSDPModule):
+        if not isinstance(m, FSDPModule):  # (every FSDPModule is an nn.Module)
             continue
 
         @torch.compiler.disable  # a check, not part of the model: eager even in a compiled block
@@ -183,13 +194,67 @@ def _forward_digests(model, record: list) -> list:
             own = [p for p in mod.parameters() if not hasattr(p, "to_local")]  # unsharded = plain tensors
             record.append((name, digest(torch.cat([p.detach().reshape(-1).float() for p in own]))))
 
-        handles.append(m.register_forward_pre_hook(hook))
+        handles.append(nn.Module.register_forward_pre_hook(m, hook))  # type: ignore[arg-type]
     return handles
 
 
-def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = None,
-          reshard_after_forward: bool = True, freeze: Iterable[str] = (), checks: bool = False,
-          data: TokenData | None = None, per_block: Callable[[nn.Module], nn.Module] | None = None) -> RunResult:
+def _resume(spec: RunSpec, model, opt) -> int:
+    """The first step to run: 0, or the step of spec.checkpoint_dir when spec.resume."""
+    if not spec.resume:
+        return 0
+    if not spec.checkpoint_dir:
+        raise ValueError("RunSpec.resume needs checkpoint_dir")
+    return load_checkpoint(spec.checkpoint_dir, model, opt)
+
+
+def _step(model, opt, data: TokenData, spec: RunSpec, step: int, lr: float, rank: int) -> float:
+    """One optimizer step (all micro-batches, clipping, the step); the loss summed over ranks."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    total = torch.zeros((), dtype=torch.float32)
+    for micro in range(spec.grad_accum):
+        model.set_requires_gradient_sync(micro == spec.grad_accum - 1)
+        x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed)
+        with timing.span("train.fwd_bwd"):
+            loss = model(x, y) / spec.grad_accum
+            loss.backward()
+        total += loss.detach().float()
+    with timing.span("train.optim"):  # gradient clipping (its norm all-reduce too) + step
+        if spec.grad_clip and spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], spec.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.all_reduce(total)
+    return float(total)
+
+
+def _check_records(model, cfg: Config | None, forward_digests: list) -> dict[str, Any]:
+    """What `checks` records: the weights every forward used, the final shards, the references."""
+    out: dict[str, Any] = {
+        "forward_digests": forward_digests,
+        "param_digests": {
+            n: digest(p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters()
+        },
+    }
+    if cfg is not None and cfg.weights.mode == "diff":
+        out["references"] = {
+            name: (c.topology.local_rank, None if c.weights.reference is None else digest(c.weights.reference))
+            for name, c in sdpq_fsdp.module_comms(model).items()
+        }
+    return out
+
+
+def train(
+    spec: RunSpec,
+    *,
+    mesh=None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    freeze: Iterable[str] = (),
+    checks: bool = False,
+    data: TokenData | None = None,
+    per_block: Callable[[nn.Module], nn.Module] | None = None,
+) -> RunResult:
     """Run `spec` with FSDP2 on the initialised default process group (every rank calls it).
 
     mesh: a DeviceMesh for fully_shard (2-D = HSDP); mp_policy: FSDP2 mixed precision (default:
@@ -208,17 +273,19 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
         raise ValueError("fsdp_backend.train: pass either mp_policy or spec.mixed_precision, not both")
     mp_policy = mp_policy or mp_policy_for(spec)
     cfg = sdpq_config(spec)
-    model = build_model(spec, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-                        freeze=freeze, per_block=per_block)
+    model = build_model(
+        spec,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        freeze=freeze,
+        per_block=per_block,
+    )
     opt, opt_name = build_optimizer(spec, model, cfg)
     comm_stats.reset()
     if cfg is not None:
         sdpq_fsdp.apply(model, cfg, optimizer=opt)
-    start = 0
-    if spec.resume:
-        if not spec.checkpoint_dir:
-            raise ValueError("RunSpec.resume needs checkpoint_dir")
-        start = load_checkpoint(spec.checkpoint_dir, model, opt)
+    start = _resume(spec, model, opt)
     forward_digests: list = []
     handles = _forward_digests(model, forward_digests) if checks else []
     per_step_digests: list = []
@@ -226,30 +293,12 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
     losses = [float("nan")] * spec.steps
     times = []
     spans: list = []  # per step: {label: [inclusive s, self s, calls]} (spec.timing)
-    L = spec.model.seq_len
-    with step_timing(spec, [(dist, _TORCH_COLLECTIVES, False)]):
+    with step_timing(spec, [(dist, TORCH_COLLECTIVES, False)]):
         for step in range(start, spec.steps):
             t0 = time.perf_counter()
+            lr = lr_at(spec, step)
             with timing.span("train.step"):
-                lr = lr_at(spec, step)
-                for g in opt.param_groups:
-                    g["lr"] = lr
-                total = torch.zeros((), dtype=torch.float32)
-                for micro in range(spec.grad_accum):
-                    model.set_requires_gradient_sync(micro == spec.grad_accum - 1)
-                    x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, L, seed=spec.seed)
-                    with timing.span("train.fwd_bwd"):
-                        loss = model(x, y) / spec.grad_accum
-                        loss.backward()
-                    total += loss.detach().float()
-                with timing.span("train.optim"):  # gradient clipping (its norm all-reduce too) + step
-                    if spec.grad_clip and spec.grad_clip > 0:
-                        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                                       spec.grad_clip)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                dist.all_reduce(total)
-                losses[step] = float(total) / world
+                losses[step] = _step(model, opt, data, spec, step, lr, rank) / world
             times.append(time.perf_counter() - t0)
             if spec.timing:
                 spans.append(timing.take())
@@ -267,12 +316,9 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
 
     val = validation_loss(model, data, spec, rank, world)
 
-    mine = comm_stats.process_stats().as_dict()
-    per_rank: list = [None] * world
-    dist.all_gather_object(per_rank, mine)
-    comm = {"total": comm_stats.sum_over_ranks(per_rank), "per_rank": per_rank}
+    comm, inter = gather_comm(world)
     steps_run = spec.steps - start
-    inter = sum(links.get("inter", {}).get("bytes", 0) for links in comm["total"].values())
+    mp = None if mp_policy is None else {k: str(v) for k, v in vars(mp_policy).items()}
     extra: dict[str, Any] = {
         "optimizer": opt_name,
         "first_step": start + 1,
@@ -280,18 +326,12 @@ def train(spec: RunSpec, *, mesh=None, mp_policy: MixedPrecisionPolicy | None = 
         "params": sum(p.numel() for p in model.parameters()),
         "sdpq": None if cfg is None else cfg.to_dict(),
         "skipped_steps": getattr(opt, "skipped_steps", 0),
-        "mp_policy": None if mp_policy is None else {k: str(v) for k, v in vars(mp_policy).items()},
+        "mp_policy": mp,
     }
     if spec.timing:
         extra["timing"] = gather_step_timing(spans, world)
     if checks:
-        extra["forward_digests"] = per_step_digests
-        extra["param_digests"] = {n: digest(p.to_local() if hasattr(p, "to_local") else p)
-                                  for n, p in model.named_parameters()}
-        if cfg is not None and cfg.weights.mode == "diff":
-            extra["references"] = {
-                name: (c.topology.local_rank, None if c.weights.reference is None else digest(c.weights.reference))
-                for name, c in sdpq_fsdp.module_comms(model).items()}
+        extra.update(_check_records(model, cfg, per_step_digests))
     result = RunResult(
         losses=losses,
         val_loss=val,

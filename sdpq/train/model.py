@@ -62,6 +62,7 @@ class GPT(nn.Module):
             self.head.weight = self.wte.weight
         self.apply(self._init)
         for b in self.blocks:  # GPT-2: scale residual projections by depth
+            assert isinstance(b, Block)
             for lin in (b.proj, b.out):
                 nn.init.normal_(lin.weight, std=0.02 / (2 * cfg.n_layer) ** 0.5)
 

@@ -17,8 +17,19 @@ import torch
 
 from .model import GPTConfig
 
-__all__ = ["RunSpec", "RunResult", "lr_at", "digest", "validation_loss", "median_step_seconds", "step_timing",
-           "gather_step_timing", "MIXED_PRECISION"]
+__all__ = [
+    "TORCH_COLLECTIVES",
+    "gather_comm",
+    "RunSpec",
+    "RunResult",
+    "lr_at",
+    "digest",
+    "validation_loss",
+    "median_step_seconds",
+    "step_timing",
+    "gather_step_timing",
+    "MIXED_PRECISION",
+]
 
 # RunSpec.mixed_precision values. "bf16": bf16 compute on full-precision parameters, what users
 # of each framework run: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (the
@@ -84,7 +95,7 @@ def lr_at(spec: RunSpec, step: int) -> float:
 def median_step_seconds(times: list[float], warmup: int = 5) -> float:
     """Median wall time per step, the first `warmup` steps excluded (fewer when the run is
     shorter; NaN without steps)."""
-    warm = times[min(warmup, len(times) - 1):] if times else [float("nan")]
+    warm = times[min(warmup, len(times) - 1) :] if times else [float("nan")]
     return statistics.median(warm)
 
 
@@ -108,6 +119,36 @@ def validation_loss(forward, data, spec: RunSpec, rank: int, world: int) -> floa
             total += float(forward(x, y))
     dist.all_reduce(total)
     return float(total) / (world * spec.eval_batches)
+
+
+# torch.distributed collectives timed as "comm.other" with spec.timing (the backends call them
+# synchronously on CPU; their work handles stay unwrapped: FSDP2 checks isinstance(work, Work)).
+TORCH_COLLECTIVES = (
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "barrier",
+)
+
+
+def gather_comm(world: int) -> tuple[dict, int]:
+    """Every rank's process-wide sdpq counters: ({"total": summed over ranks, "per_rank": [...]},
+    the bytes all ranks sent across nodes). Collective."""
+    import torch.distributed as dist
+
+    from ..comm import stats as comm_stats
+
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, comm_stats.process_stats().as_dict())
+    total = comm_stats.sum_over_ranks(per_rank)
+    inter = sum(links.get("inter", {}).get("bytes", 0) for links in total.values())
+    return {"total": total, "per_rank": per_rank}, inter
 
 
 @contextlib.contextmanager

@@ -100,3 +100,22 @@ def test_stats_summary(dist):
     assert abs(g["inter"]["bits_per_element"] - 4.25) < 1e-9 and abs(g["intra"]["bits_per_element"] - 8.25) < 1e-9
     assert g["inter"]["compression"] == pytest.approx(32 / 4.25)
     print("\n" + table)
+
+
+@pytest.mark.parametrize("var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                                 "SLURM_NTASKS_PER_NODE"])
+def test_auto_ranks_per_node_reads_every_launcher(monkeypatch, var):
+    """ranks_per_node "auto" (FSDP2 and DeepSpeed alike) reads what each launcher sets."""
+    from sdpq.comm.topology import LOCAL_SIZE_VARIABLES, _resolve_ranks_per_node, ranks_per_node_from_env
+
+    for v in LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(v, raising=False)
+    assert ranks_per_node_from_env() is None
+    with pytest.raises(TopologyError, match="found no launcher variable.*" + var):
+        _resolve_ranks_per_node(TopologyConfig())
+    monkeypatch.setenv(var, "8")
+    assert _resolve_ranks_per_node(TopologyConfig()) == 8 == _resolve_ranks_per_node("auto")
+    assert _resolve_ranks_per_node(TopologyConfig(ranks_per_node=2)) == 2
+    monkeypatch.setenv(var, "eight")
+    with pytest.raises(TopologyError, match=f"{var}='eight' is not a positive integer"):
+        _resolve_ranks_per_node("auto")

@@ -14,11 +14,13 @@ import warnings
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # both arms of a framework run (about a minute each); CI runs them
 pytest.importorskip("accelerate")
 
-from frameworks_common import (BLOCK, LR, MICRO, STEPS, cross_node_bytes, meter,  # noqa: E402
+from frameworks_common import (BLOCK, preload, LR, MICRO, STEPS, cross_node_bytes, meter,  # noqa: E402
                                ranks_env, run_both_arms, samples, tiny_gpt2, warmup_decay, write_ds_config)
 
+preload("accelerate", "accelerate.utils")
 TIMEOUT = 300
 
 

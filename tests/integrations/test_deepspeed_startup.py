@@ -225,17 +225,3 @@ def test_ds_configs_train(dist):
     for f in ("zero3_sdpq_weights.json", "zero3_sdpq_gradients.json"):
         assert r[f] == {"sdpq": True, "layout": "2x2", "optimizer": "torch.optim.adamw",
                         "master_dtype": "torch.float32", "finite": True}
-
-
-@pytest.mark.parametrize("var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"])
-def test_auto_ranks_per_node_reads_every_launcher(monkeypatch, var):
-    from sdpq.config import Config
-
-    for v in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-              "SLURM_NTASKS_PER_NODE"):
-        monkeypatch.delenv(v, raising=False)
-    with pytest.raises(ConfigError, match="ranks_per_node"):
-        sds._ranks_per_node(Config())
-    monkeypatch.setenv(var, "8")
-    assert sds._ranks_per_node(Config()) == 8
-    assert sds._ranks_per_node(Config.from_dict({"topology": {"ranks_per_node": 2}})) == 2

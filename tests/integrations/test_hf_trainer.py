@@ -10,11 +10,13 @@ import pytest
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # both arms of a framework run (about a minute each); CI runs them
 pytest.importorskip("accelerate")
 
-from frameworks_common import (BLOCK, LR, MICRO, STEPS, cross_node_bytes, meter, ranks_env, run_both_arms,  # noqa: E402
+from frameworks_common import (BLOCK, preload, LR, MICRO, STEPS, cross_node_bytes, meter, ranks_env, run_both_arms,  # noqa: E402
                                samples, tiny_gpt2, write_ds_config)
 
+preload("deepspeed.runtime.zero.stage3", "transformers.trainer", "accelerate")
 TIMEOUT = 300
 
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # both arms of a framework run (about a minute each); CI runs them
 pytest.importorskip("lightning")
 
-from frameworks_common import (BLOCK, LR, MICRO, STEPS, cross_node_bytes, meter,  # noqa: E402
+from frameworks_common import (BLOCK, preload, LR, MICRO, STEPS, cross_node_bytes, meter,  # noqa: E402
                                ranks_env, run_both_arms, samples, tiny_gpt2, warmup_decay, write_ds_config)
 
+preload("lightning.pytorch", "lightning.pytorch.strategies")
 TIMEOUT = 300
 
 

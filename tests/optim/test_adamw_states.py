@@ -159,3 +159,15 @@ def test_chunked_step_matches_one_chunk(states, monkeypatch):
             assert torch.equal(a, b)
         else:  # log2/exp2 may differ by an fp32 ulp between a SIMD body and its tail
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+def test_from_config_takes_the_sections_options():
+    """Every caller (DeepSpeed integration, training backends) builds the AdamW this way."""
+    import sdpq
+
+    section = sdpq.Config.from_dict({"optimizer": {"states": "bf16", "master": "native", "group_size": 64,
+                                                   "v_format": "e5m2"}}).optimizer
+    opt = AdamW.from_config([torch.nn.Parameter(torch.zeros(4))], section, lr=0.5, betas=(0.8, 0.9), weight_decay=0.0)
+    g = opt.param_groups[0]
+    assert (g["states"], g["master"], g["group_size"], g["v_format"]) == ("bf16", "native", 64, "e5m2")
+    assert (g["lr"], g["betas"], g["weight_decay"]) == (0.5, (0.8, 0.9), 0.0)

@@ -1,0 +1,130 @@
+"""ZeRO-3's gradient reduce-scatter on sdpq's collective (a part of DeepSpeedAdapter, see
+_ds_adapter.py for what is patched and why).
+
+`stage3.reduce_scatter_coalesced` is the module-level name `__avg_scatter_grads` calls; it is
+replaced (once for all engines of the process) by a dispatcher that takes sdpq's path while an
+engine's `__avg_scatter_grads`, wrapped per instance to learn the bucket's parameters, runs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import torch
+
+from ..comm import GradReduceScatter
+from ._ds_state import AdapterState
+
+__all__ = ["GradientsMixin", "with_suppress"]
+
+# (adapter, bucket key) while an adapter's __avg_scatter_grads runs; read by the dispatcher.
+_ACTIVE_BUCKET: contextvars.ContextVar = contextvars.ContextVar("sdpq_ds_bucket", default=None)
+_RS_PATCH: dict[str, Any] = {"count": 0, "orig": None}
+_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+
+
+def _stage3():
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    return stage3
+
+
+def _dispatch_reduce_scatter_coalesced(tensors, group=None):
+    active = _ACTIVE_BUCKET.get()
+    if active is None:
+        return _RS_PATCH["orig"](tensors, group)
+    adapter, key = active
+    return adapter._reduce_scatter_coalesced(key, tensors, group)
+
+
+def with_suppress(fn) -> None:
+    try:
+        fn()
+    except (AttributeError, KeyError):
+        pass
+
+
+class GradientsMixin(AdapterState):
+    """The gradient part of DeepSpeedAdapter."""
+
+    def _grad_rs(self, key: tuple) -> GradReduceScatter:
+        grs = self.grads.get(key)
+        if grs is None:
+            N = self.topology.world_size
+            numel = N * sum(-(-n // N) for n in key[1])
+            # The gradients' device: residuals and rounding generators restored from a checkpoint
+            # must live where the gradients are (CUDA on a GPU cluster).
+            device = self.params[key[0][0]].ds_tensor.device
+            grs = GradReduceScatter(
+                numel,
+                self.topology,
+                self.config.gradients,
+                device=device,
+                stats=self.config.stats,
+                record_to=self.stats,
+            )
+            self.grads[key] = grs
+        return grs
+
+    def _reduce_scatter_coalesced(self, key, tensors, group):
+        """DeepSpeed's reduce_scatter_coalesced (same layout, same averaging) on sdpq's collective."""
+        self.topology.check_group(group)
+        N, rank = self.topology.world_size, self.topology.rank
+        numels = tuple(t.numel() for t in tensors)
+        grs = self._grad_rs((key, numels))
+        chunks = [-(-n // N) for n in numels]
+        total = sum(chunks)
+        dtype, device = tensors[0].dtype, tensors[0].device
+        # Interleave: row r holds chunk r of every tensor, zero-padded (DeepSpeed pads with garbage;
+        # a quantization group must not see it).
+        flat = torch.zeros((N, total), dtype=dtype, device=device)
+        off = 0
+        for t, c in zip(tensors, chunks):
+            src = t.reshape(-1)
+            padded = torch.zeros(N * c, dtype=dtype, device=device)
+            padded[: src.numel()] = src
+            flat[:, off : off + c] = padded.view(N, c)
+            off += c
+        flat = flat.view(-1)
+        if self.config.gradients.mode == "exact":
+            flat.div_(N)  # Note: DeepSpeed's pre-division, in the gradient dtype: bitwise its average
+            out = grs(flat)
+        else:
+            out32 = torch.empty(total, dtype=torch.float32, device=device)
+            grs(flat, out=out32)
+            out = out32.div_(N).to(dtype)  # sum in fp32, divide once
+        res, off = [], 0
+        for n, c in zip(numels, chunks):
+            res.append(out.narrow(0, off, max(0, min(c, n - rank * c))))
+            off += c
+        return res
+
+    def _install_grads(self) -> None:
+        stage3 = _stage3()
+        if _RS_PATCH["count"] == 0:
+            _RS_PATCH["orig"] = stage3.reduce_scatter_coalesced
+            stage3.reduce_scatter_coalesced = _dispatch_reduce_scatter_coalesced
+        _RS_PATCH["count"] += 1
+
+        def unpatch():
+            _RS_PATCH["count"] -= 1
+            if _RS_PATCH["count"] == 0:
+                stage3.reduce_scatter_coalesced = _RS_PATCH["orig"]
+                _RS_PATCH["orig"] = None
+
+        self._undo.append(unpatch)
+
+        opt = self.optimizer
+        orig = getattr(opt, _AVG_SCATTER)
+
+        def avg_scatter_grads(params_to_reduce, communication_data_type, *a, **kw):
+            key = tuple(p.ds_id for p in params_to_reduce)
+            token = _ACTIVE_BUCKET.set((self, key))
+            try:
+                return orig(params_to_reduce, communication_data_type, *a, **kw)
+            finally:
+                _ACTIVE_BUCKET.reset(token)
+
+        setattr(opt, _AVG_SCATTER, avg_scatter_grads)
+        self._undo.append(lambda: with_suppress(lambda: delattr(opt, _AVG_SCATTER)))

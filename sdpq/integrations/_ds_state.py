@@ -1,0 +1,39 @@
+"""What the parts of DeepSpeedAdapter share (_ds_adapter.py, _ds_grads.py, _ds_checkpoint.py):
+declared once here, for readers and for the type checker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..comm import CommStats, GradReduceScatter, Topology, WeightGather
+from ..config import Config
+
+__all__ = ["AdapterState"]
+
+
+class AdapterState:
+    """The attributes DeepSpeedAdapter.__init__ sets and the methods each part provides."""
+
+    engine: Any  # deepspeed.DeepSpeedEngine
+    config: Config
+    optimizer: Any  # DeepSpeedZeroOptimizer_Stage3
+    stats: CommStats
+    topology: Topology
+    params: dict[int, Any]  # ds_id -> parameter
+    weights: dict[int, WeightGather]  # ds_id -> its gather
+    grads: dict[tuple, GradReduceScatter]  # ((ds_ids), (numels)) -> the bucket's reduce-scatter
+    _index: dict[int, int]  # ds_id -> position (checkpoints name parameters by position)
+    _ds_id: list[int]  # position -> ds_id
+    _undo: list  # callables that undo what was installed
+
+    def _weight_gather(self, p: Any) -> WeightGather:  # _ds_adapter.py
+        raise NotImplementedError
+
+    def _grad_rs(self, key: tuple) -> GradReduceScatter:  # _ds_grads.py
+        raise NotImplementedError
+
+    def mark_weights_changed(self, params: Any = None, *, exact: bool = True) -> None:  # _ds_adapter.py
+        raise NotImplementedError
+
+    def _regather_available(self) -> None:  # _ds_adapter.py
+        raise NotImplementedError
