@@ -30,7 +30,6 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -39,6 +38,8 @@ from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from sdpq.launch.env import free_port  # noqa: E402
+from sdpq.train.run import RunSpec  # noqa: E402
 
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
 FULL = {"weights": {"mode": "diff"}, "gradients": {"mode": "two_level"},
@@ -53,26 +54,6 @@ RUNS = {
     "comms": {**FULL, "optimizer": {"enabled": False}},
     "optimizer": {**EXACT, "optimizer": FULL["optimizer"]},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spec_to_json(spec) -> dict:
-    return dataclasses.asdict(spec)
-
-
-def _spec_from_json(d: dict):
-    from sdpq.train.model import GPTConfig
-    from sdpq.train.run import RunSpec
-
-    d = dict(d)
-    d["model"] = GPTConfig(**d["model"])
-    d["betas"] = tuple(d["betas"])
-    return RunSpec(**d)
 
 
 # ----------------------------------------------------------------------------- worker (one rank)
@@ -91,7 +72,7 @@ def worker(spec_file: str, result_file: str) -> None:
 
     with open(spec_file) as f:
         job = json.load(f)
-    spec = _spec_from_json(job["spec"])
+    spec = RunSpec.from_dict(job["spec"])
     t0 = time.perf_counter()
     r = deepspeed_backend.train(spec, ds_overrides=job.get("ds_overrides"))
     wall = time.perf_counter() - t0
@@ -112,7 +93,7 @@ def worker(spec_file: str, result_file: str) -> None:
 def launch(spec, launcher: str, nproc: int, workdir: Path, name: str, timeout: float,
            ds_overrides: dict | None = None) -> dict:
     spec_file, result_file = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
-    spec_file.write_text(json.dumps({"spec": _spec_to_json(spec), "ds_overrides": ds_overrides}))
+    spec_file.write_text(json.dumps({"spec": dataclasses.asdict(spec), "ds_overrides": ds_overrides}))
     if result_file.exists():
         result_file.unlink()
     me = [str(Path(__file__).resolve()), "--worker", str(spec_file), str(result_file)]
@@ -121,16 +102,16 @@ def launch(spec, launcher: str, nproc: int, workdir: Path, name: str, timeout: f
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if launcher == "torchrun":
         cmd = [py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port())] + me
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + me
     elif launcher == "deepspeed":
         cmd = [str(bindir / "deepspeed"), "--num_nodes", "1", "--num_gpus", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port())] + me
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + me
     elif launcher == "mpirun":
         # --map-by slot: contiguous ranks per host (Open MPI 5 otherwise interleaves local ranks,
         # which DeepSpeed's MPI discovery rejects).
         cmd = [str(bindir / "mpirun"), "-np", str(nproc), "--oversubscribe", "--map-by", "slot", "--bind-to", "none",
                "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "MASTER_ADDR=127.0.0.1",
-               "-x", f"MASTER_PORT={_free_port()}"]
+               "-x", f"MASTER_PORT={free_port()}"]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd += [py] + me

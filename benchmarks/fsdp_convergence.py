@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import multiprocessing as mp
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from sdpq.launch.env import free_port  # noqa: E402
 
 WORLD, RPN = 4, 2
 OFF = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
@@ -72,12 +72,6 @@ DEFAULT_RUNS = ["baseline", "exact", "weights", "gradients_nohad", "gradients", 
 LABELS = {"baseline": "FSDP2 fp32", "weights": "weights 4-bit diff", "gradients_nohad": "gradients 8/4-bit, no Hadamard",
           "gradients": "gradients 8/4-bit + Hadamard", "comms": "full sdpq comms",
           "full": "full sdpq + fp8/MCF AdamW", "optimizer": "fp8/MCF AdamW only", "bf16_plain": "FSDP2 bf16"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, spec_kw: dict, queue) -> None:
@@ -121,7 +115,7 @@ def run_once(spec_kw: dict, timeout: float) -> dict:
     """Train one RunSpec on 4 forked gloo ranks; rank 0's figures + cross-rank checks."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, spec_kw, queue), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()

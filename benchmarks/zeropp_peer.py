@@ -42,7 +42,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -53,6 +52,8 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from sdpq.launch.env import free_port  # noqa: E402
+from sdpq.train.run import RunSpec  # noqa: E402
 
 ARMS = ("zero3", "zeropp", "sdpq")
 # Ablations of the ZeRO++ arm (not run by default): which of its parts costs the loss.
@@ -66,21 +67,15 @@ TAG = "[zeropp_peer]"  # rank 0's progress lines, echoed by the driver
 # ----------------------------------------------------------------------------- one arm, every rank
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def arm_config(arm: str, ranks_per_node: int) -> tuple[dict | None, dict]:
     """(sdpq block, DeepSpeed config overrides) of an arm."""
     from benchmarks.zeropp import ZERO3_AT_SCALE, zeropp_overrides
+    from sdpq.train.deepspeed_backend import merge_config
 
     if arm == "zero3":
         return None, ZERO3_AT_SCALE
     if arm == "zeropp" or arm in ZEROPP_PARTS:
-        return None, _merge(ZERO3_AT_SCALE, zeropp_overrides(ranks_per_node, **ZEROPP_PARTS.get(arm, {})))
+        return None, merge_config(ZERO3_AT_SCALE, zeropp_overrides(ranks_per_node, **ZEROPP_PARTS.get(arm, {})))
     if arm == "sdpq":
         return SDPQ_DEFAULT_BLOCK, ZERO3_AT_SCALE
     raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS + tuple(ZEROPP_PARTS))}")
@@ -140,7 +135,7 @@ def worker(job_file: str, out_dir: str) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 collective renames
     job = json.loads(Path(job_file).read_text())
-    spec = _spec_from_json(job["spec"])
+    spec = RunSpec.from_dict(job["spec"])
     rank = dist.get_rank()
     for arm in job["arms"]:
         if rank == 0:
@@ -155,16 +150,6 @@ def worker(job_file: str, out_dir: str) -> None:
                   f"{s['step_seconds']:.3f} s/step  ({res['wall_seconds']:.0f} s)", flush=True)
         dist.barrier()
     dist.destroy_process_group()
-
-
-def _spec_from_json(d: dict):
-    from sdpq.train.model import GPTConfig
-    from sdpq.train.run import RunSpec
-
-    d = dict(d)
-    d["model"] = GPTConfig(**d["model"])
-    d["betas"] = tuple(d["betas"])
-    return RunSpec(**d)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -246,12 +231,6 @@ def table(summary: dict) -> str:
 # ----------------------------------------------------------------------------- driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(job: dict, nproc: int, workdir: Path, timeout: float) -> dict:
     """One torchrun launch running every arm in turn; returns {arm: result} of those finished."""
     job_file, out_dir, log = workdir / "job.json", workdir / "out", workdir / "run.log"
@@ -260,7 +239,7 @@ def launch(job: dict, nproc: int, workdir: Path, timeout: float) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), "--worker", str(job_file), str(out_dir)]
     deadline = time.monotonic() + timeout
     with open(log, "w") as f:

@@ -24,6 +24,7 @@ Note (own rows): a rank's own contribution to its own chunk is summed exactly, n
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,6 +44,37 @@ from .topology import Topology
 __all__ = ["GradReduceScatter"]
 
 _NAN = float("nan")
+
+
+class _Call(NamedTuple):
+    """What the stages of one two-level call share."""
+
+    X: torch.Tensor  # [N, padded chunk] fp32: the bucket, one row per destination rank
+    result: torch.Tensor  # [padded chunk] fp32: this rank's reduced chunk
+    had: tuple[int, int] | None  # (Hadamard block, seed)
+    gen: torch.Generator | None  # stochastic rounding stream
+    sample: bool  # measure the quantization error this call
+    fused_inter: bool  # intra sum re-encoded for the inter stage inside the reduction
+
+
+class _Pending(NamedTuple):
+    """An all-to-all in flight: this rank's own row (kept exact), what arrives, its handle and
+    the non-finite groups of what was sent. recv None: no exchange on this link."""
+
+    own: Any
+    recv: torch.Tensor | None
+    work: Any
+    bad: Any
+
+
+class _NodePartial(NamedTuple):
+    """The intra-node sum of a slice: P [nodes, S] (unfused), or its inter-node wire rows, own
+    row and non-finite groups (fused)."""
+
+    P: Any
+    wire: torch.Tensor | None
+    own_p: Any
+    bad: Any
 
 
 class GradReduceScatter:
@@ -98,15 +130,7 @@ class GradReduceScatter:
             rounding=c.rounding,
             scale_dtype=SCALE_DTYPES[c.scale_dtype],
         )
-        l, n = topo.local_rank, topo.node
-        # Bucket elements that leave this rank on each link per call (padding excluded).
-        self._intra_elems = sum(valid[m * L + k] for m in range(nodes) for k in range(L) if k != l)
-        self._inter_elems = sum(valid[m * L + l] for m in range(nodes) if m != n)
-        self._world_elems = {
-            "intra": sum(valid[n * L + k] for k in range(L) if k != l),
-            "inter": sum(valid[r] for r in range(N) if r // L != n),
-        }
-        self._valid_own = valid[topo.rank]
+        self._count_elements(valid)
         check_agreement(
             "GradReduceScatter",
             {"gradients": dataclasses.asdict(c), "numel": numel, "layout": topo.layout},
@@ -116,6 +140,19 @@ class GradReduceScatter:
         self.calls = 0
         self._rec = Recorder(stats, record_to)
         self._gen: torch.Generator | None = None
+
+    def _count_elements(self, valid: list[int]) -> None:
+        """Bucket elements that leave this rank on each link per call (padding excluded), for the
+        statistics; valid[r] = the bucket elements in rank r's chunk."""
+        topo = self.topology
+        N, L, nodes, l, n = topo.world_size, topo.ranks_per_node, topo.nodes, topo.local_rank, topo.node
+        self._intra_elems = sum(valid[m * L + k] for m in range(nodes) for k in range(L) if k != l)
+        self._inter_elems = sum(valid[m * L + l] for m in range(nodes) if m != n)
+        self._world_elems = {
+            "intra": sum(valid[n * L + k] for k in range(L) if k != l),
+            "inter": sum(valid[r] for r in range(N) if r // L != n),
+        }
+        self._valid_own = valid[topo.rank]
 
     # ------------------------------------------------------------------ public API
 
@@ -203,120 +240,138 @@ class GradReduceScatter:
 
     def _two_level(self, x: torch.Tensor) -> torch.Tensor:
         topo, c = self.topology, self.config
-        N, L, nodes = topo.world_size, topo.ranks_per_node, topo.nodes
-        l, node = topo.local_rank, topo.node
-        cn, C, S = self.chunk_numel, self.padded_chunk, self.slice_numel
+        N, cn, C = topo.world_size, self.chunk_numel, self.padded_chunk
         flat = torch.zeros(N * cn, dtype=torch.float32, device=x.device)
         flat[: self.numel] = x
         X = torch.zeros((N, C), dtype=torch.float32, device=x.device)
         X[:, :cn] = flat.view(N, cn)
         del flat
-        if c.error_feedback and nodes > 1 and self.residual is None:
-            self.residual = torch.zeros((nodes, C), dtype=torch.float32, device=x.device)
+        if c.error_feedback and topo.nodes > 1 and self.residual is None:
+            self.residual = torch.zeros((topo.nodes, C), dtype=torch.float32, device=x.device)
         sample = self._rec.sample_due(self.calls)
-        gen = self._generator(x.device)
-        had = (self.hadamard_block, c.seed) if c.hadamard else None
-        # The fused path re-quantizes the intra-node sum inside the reduction; error feedback and
-        # error sampling need the node partial itself, so they take the unfused inter stage.
-        fused_inter = self.residual is None and not sample
-        result = torch.empty(C, dtype=torch.float32, device=x.device)
-
-        def issue_intra(j: int):
-            Xj = X[:, j * S : (j + 1) * S]
-            if L == 1:  # no intra stage: the "node partial" is the rank's own (transformed) rows
-                with timing.span("grads.encode"):
-                    return (_hadamard(Xj, *had) if had else Xj), None, None, None
-            # Wire row l' = chunks {n' * L + l'} of this slice (segments of one row, in node order).
-            with timing.span("grads.encode"):
-                wire, own, bad = encode_rows(
-                    Xj, self.intra_spec, segments=nodes, hadamard=had, own_row=l, generator=gen
-                )
-                poison_scales_(wire, self.intra_spec, nodes * S, bad)
-            if sample:
-                seg = (_hadamard(Xj, *had) if had else Xj).reshape(nodes, L, S).transpose(0, 1)
-                got = decode_rows(wire, self.intra_spec, nodes * S, torch.empty(L, nodes * S, device=x.device))
-                others = [k for k in range(L) if k != l]
-                self._rec.record_error(
-                    "gradients", "intra", relative_error(got[others], seg[others].reshape(L - 1, nodes * S))
-                )
-            with timing.span("comm.grads"):
-                recv, work = all_to_all_rows(wire, topo.intra_group, async_op=True)
-            return own, recv, work, bad
-
-        def finish_intra(state):
-            """-> (node partial [nodes, S] or None, inter wire or None, own inter row, bad)."""
-            own, recv, work, bad = state
-            if recv is None:
-                return own, None, None, None
-            with timing.span("comm.grads"):
-                work.wait()
-            with timing.span("grads.reduce"):  # decode + sum (+ re-encode for the inter stage)
-                if nodes > 1 and fused_inter:
-                    wire, own_p, bad2 = reduce_rows(
-                        recv,
-                        self.intra_spec,
-                        nodes * S,
-                        own,
-                        l,
-                        bad,
-                        encode_spec=self.inter_spec,
-                        encode_numel=S,
-                        own_seg=node,
-                        generator=gen,
-                    )
-                    return None, wire, own_p, bad2
-                P = reduce_rows(recv, self.intra_spec, nodes * S, own, l, bad, hadamard=had if nodes == 1 else None)
-            return P.view(nodes, S), None, None, None
-
-        def issue_inter(j: int, state):
-            P, wire, own_p, bad = state
-            if nodes == 1:
-                return P, None, None, None
-            if wire is None:  # unfused: error feedback / error sampling / no intra stage
-                with timing.span("grads.encode"):
-                    if self.residual is not None:
-                        P = P + self.residual[:, j * S : (j + 1) * S]
-                    wire, own, bad = encode_rows(P, self.inter_spec, own_row=node, generator=gen)
-                    own_p = own[0]
-                    if self.residual is not None or sample:
-                        deq = decode_rows(wire, self.inter_spec, S, torch.empty(nodes, S, device=x.device))
-                        deq = torch.where(bad, _NAN, deq)
-                        if sample:
-                            others = [m for m in range(nodes) if m != node]
-                            self._rec.record_error("gradients", "inter", relative_error(deq[others], P[others]))
-                        if self.residual is not None:
-                            res = P - deq
-                            res[node] = 0  # own row is summed exactly
-                            # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
-                            self.residual[:, j * S : (j + 1) * S] = torch.where(bad, 0.0, res)
-            with timing.span("grads.encode"):
-                poison_scales_(wire, self.inter_spec, S, bad)
-            with timing.span("comm.grads"):
-                recv, work = all_to_all_rows(wire, topo.inter_group, async_op=True)
-            return own_p, recv, work, bad
-
-        def finish_inter(j: int, state) -> None:
-            own_p, recv, work, bad = state
-            if recv is None:  # one node: own_p is the node partial (already inverse-transformed if L > 1)
-                y = own_p[0]
-                with timing.span("grads.reduce"):
-                    result[j * S : (j + 1) * S] = _inverse_hadamard(y, *had) if had and L == 1 else y
-                return
-            with timing.span("comm.grads"):
-                work.wait()
-            with timing.span("grads.reduce"):  # decode + sum + inverse Hadamard
-                result[j * S : (j + 1) * S] = reduce_rows(recv, self.inter_spec, S, own_p, node, bad, hadamard=had)
-
+        call = _Call(
+            X=X,
+            result=torch.empty(C, dtype=torch.float32, device=x.device),
+            had=(self.hadamard_block, c.seed) if c.hadamard else None,
+            gen=self._generator(x.device),
+            sample=sample,
+            # The fused path re-quantizes the intra-node sum inside the reduction; error feedback
+            # and error sampling need the node partial itself, so they take the unfused inter stage.
+            fused_inter=self.residual is None and not sample,
+        )
         # Software pipeline: inter(j) is in flight while intra(j+1) is prepared and exchanged.
-        intra_state = issue_intra(0)
+        intra = self._issue_intra(call, 0)
         for j in range(self.slices):
-            inter_state = issue_inter(j, finish_intra(intra_state))
+            inter = self._issue_inter(call, j, self._finish_intra(call, intra))
             if j + 1 < self.slices:
-                intra_state = issue_intra(j + 1)
-            finish_inter(j, inter_state)
+                intra = self._issue_intra(call, j + 1)
+            self._finish_inter(call, j, inter)
         self._record_two_level(x.element_size())
-        result[self._valid_own :] = 0  # padding and past-the-end positions
-        return result[:cn]
+        call.result[self._valid_own :] = 0  # padding and past-the-end positions
+        return call.result[:cn]
+
+    def _issue_intra(self, call: _Call, j: int) -> _Pending:
+        """Encode slice j for the intra-node all-to-all and start it (own row kept exact)."""
+        topo, S, had = self.topology, self.slice_numel, call.had
+        L, nodes, l = topo.ranks_per_node, topo.nodes, topo.local_rank
+        Xj = call.X[:, j * S : (j + 1) * S]
+        if L == 1:  # no intra stage: the "node partial" is the rank's own (transformed) rows
+            with timing.span("grads.encode"):
+                return _Pending(_hadamard(Xj, *had) if had else Xj, None, None, None)
+        # Wire row l' = chunks {n' * L + l'} of this slice (segments of one row, in node order).
+        with timing.span("grads.encode"):
+            wire, own, bad = encode_rows(
+                Xj, self.intra_spec, segments=nodes, hadamard=had, own_row=l, generator=call.gen
+            )
+            poison_scales_(wire, self.intra_spec, nodes * S, bad)
+        if call.sample:
+            seg = (_hadamard(Xj, *had) if had else Xj).reshape(nodes, L, S).transpose(0, 1)
+            got = decode_rows(wire, self.intra_spec, nodes * S, torch.empty(L, nodes * S, device=Xj.device))
+            others = [k for k in range(L) if k != l]
+            self._rec.record_error(
+                "gradients", "intra", relative_error(got[others], seg[others].reshape(L - 1, nodes * S))
+            )
+        with timing.span("comm.grads"):
+            recv, work = all_to_all_rows(wire, topo.intra_group, async_op=True)
+        return _Pending(own, recv, work, bad)
+
+    def _finish_intra(self, call: _Call, p: _Pending) -> _NodePartial:
+        """Wait for the intra-node exchange and sum it: the node partial [nodes, S], or (fused)
+        its inter-node wire rows directly."""
+        topo, S = self.topology, self.slice_numel
+        nodes, l = topo.nodes, topo.local_rank
+        if p.recv is None:
+            return _NodePartial(p.own, None, None, None)
+        with timing.span("comm.grads"):
+            p.work.wait()
+        with timing.span("grads.reduce"):  # decode + sum (+ re-encode for the inter stage)
+            if nodes > 1 and call.fused_inter:
+                wire, own_p, bad = reduce_rows(
+                    p.recv,
+                    self.intra_spec,
+                    nodes * S,
+                    p.own,
+                    l,
+                    p.bad,
+                    encode_spec=self.inter_spec,
+                    encode_numel=S,
+                    own_seg=topo.node,
+                    generator=call.gen,
+                )
+                return _NodePartial(None, wire, own_p, bad)
+            had = call.had if nodes == 1 else None
+            P = reduce_rows(p.recv, self.intra_spec, nodes * S, p.own, l, p.bad, hadamard=had)
+        return _NodePartial(P.view(nodes, S), None, None, None)
+
+    def _issue_inter(self, call: _Call, j: int, part: _NodePartial) -> _Pending:
+        """Encode the node partial for the inter-node all-to-all (unless fused) and start it."""
+        topo, S = self.topology, self.slice_numel
+        nodes = topo.nodes
+        if nodes == 1:
+            return _Pending(part.P, None, None, None)
+        wire, own_p, bad = part.wire, part.own_p, part.bad
+        if wire is None:  # unfused: error feedback / error sampling / no intra stage
+            wire, own_p, bad = self._encode_inter(call, j, part.P)
+        with timing.span("grads.encode"):
+            poison_scales_(wire, self.inter_spec, S, bad)
+        with timing.span("comm.grads"):
+            recv, work = all_to_all_rows(wire, topo.inter_group, async_op=True)
+        return _Pending(own_p, recv, work, bad)
+
+    def _encode_inter(self, call: _Call, j: int, P: torch.Tensor) -> tuple:
+        """The unfused inter-node encode of a node partial: error feedback in and out, error
+        sampling. -> (wire rows, own row, non-finite groups)."""
+        S, nodes, node = self.slice_numel, self.topology.nodes, self.topology.node
+        with timing.span("grads.encode"):
+            if self.residual is not None:
+                P = P + self.residual[:, j * S : (j + 1) * S]
+            wire, own, bad = encode_rows(P, self.inter_spec, own_row=node, generator=call.gen)
+            if self.residual is not None or call.sample:
+                deq = decode_rows(wire, self.inter_spec, S, torch.empty(nodes, S, device=P.device))
+                deq = torch.where(bad, _NAN, deq)
+                if call.sample:
+                    others = [m for m in range(nodes) if m != node]
+                    self._rec.record_error("gradients", "inter", relative_error(deq[others], P[others]))
+                if self.residual is not None:
+                    res = P - deq
+                    res[node] = 0  # own row is summed exactly
+                    # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
+                    self.residual[:, j * S : (j + 1) * S] = torch.where(bad, 0.0, res)
+        return wire, own[0], bad
+
+    def _finish_inter(self, call: _Call, j: int, p: _Pending) -> None:
+        """Wait for the inter-node exchange; sum, inverse-transform and store slice j."""
+        S, L, had = self.slice_numel, self.topology.ranks_per_node, call.had
+        out = call.result[j * S : (j + 1) * S]
+        if p.recv is None:  # one node: own is the node partial (already inverse-transformed if L > 1)
+            y = p.own[0]
+            with timing.span("grads.reduce"):
+                out[:] = _inverse_hadamard(y, *had) if had and L == 1 else y
+            return
+        with timing.span("comm.grads"):
+            p.work.wait()
+        with timing.span("grads.reduce"):  # decode + sum + inverse Hadamard
+            out[:] = reduce_rows(p.recv, self.inter_spec, S, p.own, self.topology.node, p.bad, hadamard=had)
 
     def _record_two_level(self, itemsize: int) -> None:
         topo = self.topology

@@ -19,6 +19,23 @@ class IncompatibleConfigError(ValueError):
 _OPT_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "fused", "foreach", "amsgrad"}
 
 
+def _check_mcf_bf16(ds: dict) -> None:
+    """The MCF master keeps bf16 weights plus a bf16 compensation: bf16 training, with DeepSpeed's
+    bf16 master-weights mode (which prepare_config switches on) not switched off."""
+    bf16 = ds.get("bf16") or ds.get("bfloat16") or {}
+    if not bf16.get("enabled", False):
+        raise IncompatibleConfigError(
+            "sdpq.optimizer.master: 'mcf' keeps bf16 weights plus a bf16 compensation and needs "
+            '"bf16": {"enabled": true}; set "master": "native" for fp32/fp16 training'
+        )
+    for flag in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        if bf16.get(flag) is False:
+            raise IncompatibleConfigError(
+                f"sdpq.optimizer.master: 'mcf' replaces the fp32 master copy, which needs bf16.{flag} "
+                "true (it is set automatically when absent); remove the false or use master 'native'"
+            )
+
+
 def _sdpq_optimizer(ds: dict, cfg: Config, a: dict):
     """Check the DeepSpeed "optimizer" block and return a callable that builds sdpq.optim.AdamW."""
     oc = cfg.optimizer
@@ -61,18 +78,7 @@ def _sdpq_optimizer(ds: dict, cfg: Config, a: dict):
         weight_decay=float(params.get("weight_decay", 0.01 if kind == "adamw" else 0.0)),
     )
     if oc.master == "mcf":
-        bf16 = ds.get("bf16") or ds.get("bfloat16") or {}
-        if not bf16.get("enabled", False):
-            raise IncompatibleConfigError(
-                "sdpq.optimizer.master: 'mcf' keeps bf16 weights plus a bf16 compensation and needs "
-                '"bf16": {"enabled": true}; set "master": "native" for fp32/fp16 training'
-            )
-        for flag in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
-            if bf16.get(flag) is False:
-                raise IncompatibleConfigError(
-                    f"sdpq.optimizer.master: 'mcf' replaces the fp32 master copy, which needs bf16.{flag} "
-                    "true (it is set automatically when absent); remove the false or use master 'native'"
-                )
+        _check_mcf_bf16(ds)
 
     def build(model_parameters):
         import torch.distributed as dist
@@ -124,29 +130,34 @@ def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
     out.pop("sdpq", None)
     if cfg.optimizer.enabled:
         a["optimizer"] = _sdpq_optimizer(ds, cfg, a)
-        out.pop("optimizer", None)
-        out["zero_allow_untested_optimizer"] = True
-        opt_offload = zero.get("offload_optimizer") or {}
-        if isinstance(opt_offload, Mapping) and opt_offload.get("device") not in (None, "none"):
-            if cfg.optimizer.master == "mcf":
-                raise IncompatibleConfigError(
-                    "zero_optimization.offload_optimizer with sdpq.optimizer.master 'mcf': DeepSpeed runs its bf16 "
-                    "master-weights mode (which the MCF master uses) with an offloaded optimizer only through its own "
-                    'CPU Adam. Set "sdpq": {"optimizer": {"master": "native"}} to offload sdpq\'s AdamW, '
-                    "or remove offload_optimizer"
-                )
-            if opt_offload.get("device") != "cpu":
-                raise IncompatibleConfigError(
-                    f"zero_optimization.offload_optimizer.device "
-                    f"{opt_offload.get('device')!r} with sdpq's AdamW; allowed: 'cpu'"
-                )
-            # Note: sdpq's AdamW (C++ kernels on CPU) then steps the offloaded partitions in place
-            # of DeepSpeed's CPU Adam, which DeepSpeed only allows with this flag.
-            out["zero_force_ds_cpu_optimizer"] = False
-        if cfg.optimizer.master == "mcf":
-            key = "bf16" if "bf16" in out else "bfloat16"
-            out[key] = dict(out.get(key) or {}, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+        _hand_the_optimizer_to_sdpq(out, zero, cfg)
     return out
+
+
+def _hand_the_optimizer_to_sdpq(out: dict, zero: Mapping, cfg: Config) -> None:
+    """Edit the config DeepSpeed gets so that it takes sdpq's AdamW (built by initialize)."""
+    out.pop("optimizer", None)
+    out["zero_allow_untested_optimizer"] = True
+    opt_offload = zero.get("offload_optimizer") or {}
+    if isinstance(opt_offload, Mapping) and opt_offload.get("device") not in (None, "none"):
+        if cfg.optimizer.master == "mcf":
+            raise IncompatibleConfigError(
+                "zero_optimization.offload_optimizer with sdpq.optimizer.master 'mcf': DeepSpeed runs its bf16 "
+                "master-weights mode (which the MCF master uses) with an offloaded optimizer only through its own "
+                'CPU Adam. Set "sdpq": {"optimizer": {"master": "native"}} to offload sdpq\'s AdamW, '
+                "or remove offload_optimizer"
+            )
+        if opt_offload.get("device") != "cpu":
+            raise IncompatibleConfigError(
+                f"zero_optimization.offload_optimizer.device "
+                f"{opt_offload.get('device')!r} with sdpq's AdamW; allowed: 'cpu'"
+            )
+        # Note: sdpq's AdamW (C++ kernels on CPU) then steps the offloaded partitions in place
+        # of DeepSpeed's CPU Adam, which DeepSpeed only allows with this flag.
+        out["zero_force_ds_cpu_optimizer"] = False
+    if cfg.optimizer.master == "mcf":
+        key = "bf16" if "bf16" in out else "bfloat16"
+        out[key] = dict(out.get(key) or {}, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
 
 
 def check_config(ds: Mapping, cfg: Config) -> None:

@@ -92,6 +92,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args | -- -m module args")
 
 
+def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float) -> int:
+    """Wait for every node; the worst exit code (124 on timeout). A failing node ends the wait
+    at once; once one node has exited the others get `grace` seconds to follow."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            break  # one node failed or time is up: stop the others instead of hanging
+        if any(p.returncode is not None for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.2)
+    return max((p.returncode or 0) if p.returncode is not None else 124 for p in procs)
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """End every node's process group still running (TERM, then KILL after 10 s)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def run_job(
     cluster: EmulatedNodes,
     command: list[str],
@@ -144,24 +170,9 @@ def run_job(
             procs.append(subprocess.Popen(cmd, env=node_env, start_new_session=True, stdout=out, stderr=out))
             if out is not None:
                 out.close()  # the child holds its own descriptor
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break  # one node failed or time is up: stop the others instead of hanging
-            if any(p.returncode is not None for p in procs):
-                deadline = min(deadline, time.monotonic() + grace)
-            time.sleep(0.2)
-        return max((p.returncode or 0) if p.returncode is not None else 124 for p in procs)
+        return _wait_all(procs, timeout, grace)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        _stop_all(procs)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["JobEnv", "discover", "init_distributed"]
+__all__ = ["JobEnv", "discover", "init_distributed", "free_port"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> JobE
             torch.cuda.set_device(job.local_rank)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return job
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine now, for a rendezvous on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -217,42 +217,50 @@ class AdamW(torch.optim.Optimizer):
         pl = local(p)
         if pl.numel() == 0:
             return
-        step = float(st["step"])  # a CPU tensor, as in torch: no device sync
+        step = int(st["step"])  # a CPU tensor, as in torch: no device sync
+        if self._native_applies(pl, grad, st):
+            self._native_step(pl, local(grad), group, st, step)
+        elif self._fused_applies(pl, group, st):
+            self._triton_step(pl, local(grad), group, st, step)
+        else:
+            self._reference_step(pl, local(grad), group, st, float(step))
+
+    def _triton_step(self, pl: Tensor, grad: Tensor, group: dict, st: dict, step: int) -> None:
+        """The default layout (FP8 states, MCF master) as one Triton kernel (CUDA)."""
+        from ..kernels.adamw import adamw_fp8_mcf_step
+
+        def moment(name):
+            codes = rows(st[name + "_codes"])
+            return (codes,) + tuple(st[name + s].reshape(codes.shape[0], -1) for s in ("_scale", "_k", "_gm"))
+
+        b1, b2 = group["betas"]
+        adamw_fp8_mcf_step(
+            rows(pl),
+            rows(st["master_lo"]),
+            grad.reshape(rows(pl).shape),
+            moment("exp_avg"),
+            moment("exp_avg_sq"),
+            lr=float(group["lr"]),
+            b1=b1,
+            b2=b2,
+            eps=group["eps"],
+            wd=group["weight_decay"],
+            step=step,
+            group_size=group["group_size"],
+        )
+
+    def _reference_step(self, pl: Tensor, grad: Tensor, group: dict, st: dict, step: float) -> None:
+        """The PyTorch path: every layout, chunk by chunk in fp32 (the reference of the kernels)."""
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         b1, b2 = group["betas"]
         G, vf8 = group["group_size"], group["v_format"]
-        if self._native_applies(pl, grad, st):
-            self._native_step(pl, local(grad), group, st, int(step))
-            return
-        if self._fused_applies(pl, group, st):
-            from ..kernels.adamw import adamw_fp8_mcf_step
-
-            def moment(name):
-                codes = rows(st[name + "_codes"])
-                return (codes,) + tuple(st[name + s].reshape(codes.shape[0], -1) for s in ("_scale", "_k", "_gm"))
-
-            adamw_fp8_mcf_step(
-                rows(pl),
-                rows(st["master_lo"]),
-                local(grad).reshape(rows(pl).shape),
-                moment("exp_avg"),
-                moment("exp_avg_sq"),
-                lr=lr,
-                b1=b1,
-                b2=b2,
-                eps=eps,
-                wd=wd,
-                step=int(step),
-                group_size=G,
-            )
-            return
         bias_correction2_sqrt = (1 - b2**step) ** 0.5
         step_size = lr / (1 - b1**step)
         fm, fv = states.stored_format(st, "exp_avg"), states.stored_format(st, "exp_avg_sq")
         assert fm is not None and fv is not None  # _state_for created both
         if fv == "pair":
             b2_hi, b2_lo = mcf.split_scalar(b2)
-        P, Gr = rows(pl), local(grad).reshape(rows(pl).shape)
+        P, Gr = rows(pl), grad.reshape(rows(pl).shape)
         lo = rows(st["master_lo"]) if "master_lo" in st else None
         for r, c in chunks(P.shape[0], P.shape[1], G, chunk_numel(pl.device)):
             g = Gr[r, c]

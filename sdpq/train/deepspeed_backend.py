@@ -34,7 +34,7 @@ from .run import (
     validation_loss,
 )
 
-__all__ = ["train", "ds_config", "optimizer_bytes_per_param", "CKPT_TAG"]
+__all__ = ["train", "ds_config", "merge_config", "optimizer_bytes_per_param", "CKPT_TAG"]
 
 CKPT_TAG = "step{step}"
 
@@ -60,10 +60,11 @@ _DS_COLLECTIVES = (
 )
 
 
-def _merge(base: dict, over: dict) -> dict:
+def merge_config(base: dict, over: dict) -> dict:
+    """`base` with `over` merged in key by key (nested dicts merged, other values replaced)."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge_config(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -95,7 +96,7 @@ def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
         if spec.ranks_per_node != "auto" and "ranks_per_node" not in block.get("topology", {}):
             block["topology"] = dict(block.get("topology", {}), ranks_per_node=spec.ranks_per_node)
         cfg["sdpq"] = block
-    return _merge(cfg, overrides or {})
+    return merge_config(cfg, overrides or {})
 
 
 def optimizer_bytes_per_param(engine) -> float:

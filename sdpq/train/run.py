@@ -72,6 +72,15 @@ class RunSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"RunSpec.{name}: {getattr(self, name)!r}; allowed: an integer >= 1")
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunSpec:
+        """The inverse of dataclasses.asdict(spec) after a JSON round trip (the model config as
+        a dict, betas as a list)."""
+        d = dict(d)
+        d["model"] = GPTConfig(**d["model"])
+        d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
 
 @dataclass
 class RunResult:
