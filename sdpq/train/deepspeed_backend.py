@@ -159,39 +159,34 @@ def _check_records(engine, adapter) -> dict[str, Any]:
     return out
 
 
-def _train(
-    spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, checks: bool, ds_overrides: dict | None
-) -> RunResult:
-    torch.manual_seed(spec.seed)
-    model = GPT(spec.model)
-    n_params = model.num_params()
-    engine, _, _, _ = sdpq_ds.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(spec, ds_overrides)
-    )
-    adapter = sdpq_ds.get_adapter(engine)
-    start = 0
-    if spec.resume:
-        if not spec.checkpoint_dir:
-            raise ValueError("RunSpec.resume needs checkpoint_dir")
-        path, client = engine.load_checkpoint(spec.checkpoint_dir)
-        if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint in {spec.checkpoint_dir}")
-        start = int(client["step"])
-    comm_stats.reset()
+def _resume(spec: RunSpec, engine) -> int:
+    """The first step to run: 0, or the step of the DeepSpeed checkpoint when spec.resume."""
+    if not spec.resume:
+        return 0
+    if not spec.checkpoint_dir:
+        raise ValueError("RunSpec.resume needs checkpoint_dir")
+    path, client = engine.load_checkpoint(spec.checkpoint_dir)
+    if path is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint in {spec.checkpoint_dir}")
+    return int(client["step"])
 
-    losses = [float("nan")] * spec.steps
-    local = torch.zeros(spec.steps, dtype=torch.float64)
-    times = []
+
+def _run_steps(spec: RunSpec, engine, data: TokenData, start: int, rank: int) -> tuple[list, list, list]:
+    """Steps start .. spec.steps - 1: (this rank's loss per step, seconds per step, timing spans);
+    logs and saves the checkpoint as the spec says."""
+    local = [float("nan")] * spec.steps
+    times: list[float] = []
     spans: list = []  # per step: {label: [inclusive s, self s, calls]} (spec.timing)
-    L = spec.model.seq_len
     for step in range(start, spec.steps):
         t0 = time.perf_counter()
         with timing.span("train.step"):
             lr = lr_at(spec, step)
             for g in engine.optimizer.param_groups:
                 g["lr"] = lr
+            local[step] = 0.0
             for micro in range(spec.grad_accum):
-                x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, L, seed=spec.seed)
+                i = step * spec.grad_accum + micro
+                x, y = data.batch(i, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed)
                 with timing.span("train.fwd_bwd"):
                     loss = engine(x, y)
                     engine.backward(loss)
@@ -202,21 +197,33 @@ def _train(
         if spec.timing:
             spans.append(timing.take())
         if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
-            print(
-                f"step {step + 1:5d}  loss(rank0) {float(local[step]):.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True
-            )
+            print(f"step {step + 1:5d}  loss(rank0) {local[step]:.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True)
         if spec.save_at is not None and step + 1 == spec.save_at:
             if not spec.checkpoint_dir:
                 raise ValueError("RunSpec.save_at needs checkpoint_dir")
-            engine.save_checkpoint(
-                spec.checkpoint_dir, tag=CKPT_TAG.format(step=step + 1), client_state={"step": step + 1}
-            )
-    dist.all_reduce(local)  # one collective for the whole loss curve
-    for s in range(start, spec.steps):
-        losses[s] = float(local[s]) / world
+            tag = CKPT_TAG.format(step=step + 1)
+            engine.save_checkpoint(spec.checkpoint_dir, tag=tag, client_state={"step": step + 1})
+    return local, times, spans
+
+
+def _train(
+    spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, checks: bool, ds_overrides: dict | None
+) -> RunResult:
+    torch.manual_seed(spec.seed)
+    model = GPT(spec.model)
+    n_params = model.num_params()
+    engine, _, _, _ = sdpq_ds.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(spec, ds_overrides)
+    )
+    adapter = sdpq_ds.get_adapter(engine)
+    start = _resume(spec, engine)
+    comm_stats.reset()
+    local, times, spans = _run_steps(spec, engine, data, start, rank)
+    summed = torch.tensor(local, dtype=torch.float64).nan_to_num_(0.0)
+    dist.all_reduce(summed)  # one collective for the whole loss curve
+    losses = [float(summed[s]) / world if s >= start else float("nan") for s in range(spec.steps)]
     # Statistics of the training steps only (evaluation gathers come after).
     comm, inter = gather_comm(world)
-    steps_run = spec.steps - start
 
     engine.eval()
     val = validation_loss(engine, data, spec, rank, world)
@@ -243,7 +250,7 @@ def _train(
         val_loss=val,
         step_seconds=median_step_seconds(times),
         comm=comm,
-        cross_node_bytes_per_step=inter / max(1, steps_run),
+        cross_node_bytes_per_step=inter / max(1, spec.steps - start),
         optimizer_bytes_per_param=optimizer_bytes_per_param(engine),
         extra=extra,
     )

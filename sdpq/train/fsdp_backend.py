@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -244,6 +244,71 @@ def _check_records(model, cfg: Config | None, forward_digests: list) -> dict[str
     return out
 
 
+class _Steps(NamedTuple):
+    losses: list[float]  # per step (NaN before a resumed run's first step)
+    times: list[float]  # seconds per step run
+    spans: list  # per step: {label: [inclusive s, self s, calls]} (spec.timing)
+    forward_digests: list  # per step: (module, digest) of the weights every forward used (checks)
+
+
+def _run_steps(spec: RunSpec, model, opt, data: TokenData, start: int, checks: bool) -> _Steps:
+    """Steps start .. spec.steps - 1: the losses (mean over ranks), times, timing spans and (with
+    checks) the forward weights' digests; logs and saves the checkpoint as the spec says."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    forward_digests: list = []
+    handles = _forward_digests(model, forward_digests) if checks else []
+    out = _Steps([float("nan")] * spec.steps, [], [], [])
+    with step_timing(spec, [(dist, TORCH_COLLECTIVES, False)]):
+        for step in range(start, spec.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(spec, step)
+            with timing.span("train.step"):
+                out.losses[step] = _step(model, opt, data, spec, step, lr, rank) / world
+            out.times.append(time.perf_counter() - t0)
+            if spec.timing:
+                out.spans.append(timing.take())
+            if checks:
+                out.forward_digests.append(list(forward_digests))
+                forward_digests.clear()
+            if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
+                print(f"step {step + 1:5d}  loss {out.losses[step]:.4f}  lr {lr:.2e}  {out.times[-1]:.3f}s", flush=True)
+            if spec.save_at is not None and step + 1 == spec.save_at:
+                if not spec.checkpoint_dir:
+                    raise ValueError("RunSpec.save_at needs checkpoint_dir")
+                save_checkpoint(spec.checkpoint_dir, model, opt, step + 1)
+    for h in handles:
+        h.remove()
+    return out
+
+
+def _result(spec, model, opt, opt_name, cfg, mp_policy, steps: _Steps, val: float, start: int, checks: bool):
+    """The RunResult of a run: losses, comm statistics of every rank, and what `extra` records."""
+    world = dist.get_world_size()
+    comm, inter = gather_comm(world)
+    extra: dict[str, Any] = {
+        "optimizer": opt_name,
+        "first_step": start + 1,
+        "world_size": world,
+        "params": sum(p.numel() for p in model.parameters()),
+        "sdpq": None if cfg is None else cfg.to_dict(),
+        "skipped_steps": getattr(opt, "skipped_steps", 0),
+        "mp_policy": None if mp_policy is None else {k: str(v) for k, v in vars(mp_policy).items()},
+    }
+    if spec.timing:
+        extra["timing"] = gather_step_timing(steps.spans, world)
+    if checks:
+        extra.update(_check_records(model, cfg, steps.forward_digests))
+    return RunResult(
+        losses=steps.losses,
+        val_loss=val,
+        step_seconds=median_step_seconds(steps.times),
+        comm=comm,
+        cross_node_bytes_per_step=inter / max(1, spec.steps - start),
+        optimizer_bytes_per_param=_optimizer_bytes_per_param(opt, model),
+        extra=extra,
+    )
+
+
 def train(
     spec: RunSpec,
     *,
@@ -286,61 +351,10 @@ def train(
     if cfg is not None:
         sdpq_fsdp.apply(model, cfg, optimizer=opt)
     start = _resume(spec, model, opt)
-    forward_digests: list = []
-    handles = _forward_digests(model, forward_digests) if checks else []
-    per_step_digests: list = []
-
-    losses = [float("nan")] * spec.steps
-    times = []
-    spans: list = []  # per step: {label: [inclusive s, self s, calls]} (spec.timing)
-    with step_timing(spec, [(dist, TORCH_COLLECTIVES, False)]):
-        for step in range(start, spec.steps):
-            t0 = time.perf_counter()
-            lr = lr_at(spec, step)
-            with timing.span("train.step"):
-                losses[step] = _step(model, opt, data, spec, step, lr, rank) / world
-            times.append(time.perf_counter() - t0)
-            if spec.timing:
-                spans.append(timing.take())
-            if checks:
-                per_step_digests.append(list(forward_digests))
-                forward_digests.clear()
-            if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
-                print(f"step {step + 1:5d}  loss {losses[step]:.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True)
-            if spec.save_at is not None and step + 1 == spec.save_at:
-                if not spec.checkpoint_dir:
-                    raise ValueError("RunSpec.save_at needs checkpoint_dir")
-                save_checkpoint(spec.checkpoint_dir, model, opt, step + 1)
-    for h in handles:
-        h.remove()
-
+    steps = _run_steps(spec, model, opt, data, start, checks)
     val = validation_loss(model, data, spec, rank, world)
 
-    comm, inter = gather_comm(world)
-    steps_run = spec.steps - start
-    mp = None if mp_policy is None else {k: str(v) for k, v in vars(mp_policy).items()}
-    extra: dict[str, Any] = {
-        "optimizer": opt_name,
-        "first_step": start + 1,
-        "world_size": world,
-        "params": sum(p.numel() for p in model.parameters()),
-        "sdpq": None if cfg is None else cfg.to_dict(),
-        "skipped_steps": getattr(opt, "skipped_steps", 0),
-        "mp_policy": mp,
-    }
-    if spec.timing:
-        extra["timing"] = gather_step_timing(spans, world)
-    if checks:
-        extra.update(_check_records(model, cfg, per_step_digests))
-    result = RunResult(
-        losses=losses,
-        val_loss=val,
-        step_seconds=median_step_seconds(times),
-        comm=comm,
-        cross_node_bytes_per_step=inter / max(1, steps_run),
-        optimizer_bytes_per_param=_optimizer_bytes_per_param(opt, model),
-        extra=extra,
-    )
+    result = _result(spec, model, opt, opt_name, cfg, mp_policy, steps, val, start, checks)
     if cfg is not None:
         sdpq_fsdp.remove(model)
     return result
