@@ -281,6 +281,30 @@ def decode_rows(buf: torch.Tensor, spec, numel: int, out: torch.Tensor, *, add: 
     return out
 
 
+def _reduce_outputs(buf, spec, numel: int, own, hb: int, encode_spec, encode_rows_n: int):
+    """The tile and the output buffers of reduce_rows: (tile, out, enc, own_out, the encode
+    stage's constexprs). Buffers a branch does not write are placeholders (compiled out)."""
+    sizes = (spec.group_size, hb) + ((encode_spec.group_size,) if encode_spec else ())
+    tile = _tile(numel, *sizes)
+    if encode_spec is None:
+        out = torch.empty(numel, dtype=torch.float32, device=buf.device)
+        e_args = dict(G2=spec.group_size, BITS2=spec.bits, QMAX2=spec.qmax, SCALE2_BF16=False)
+        return tile, out, out, out, e_args
+    tile = min(tile, encode_rows_n & -encode_rows_n)  # a power of two dividing the row: never spans two
+    if encode_rows_n % tile or numel % encode_rows_n:
+        raise ValueError(f"reduce_rows: rows of {encode_rows_n} must tile {numel} in tiles of {tile}")
+    rows_n = numel // encode_rows_n
+    enc = torch.empty((rows_n, encode_spec.wire_bytes(encode_rows_n)), dtype=torch.uint8, device=buf.device)
+    own_out = torch.empty(encode_rows_n, dtype=torch.float32, device=buf.device)
+    e_args = dict(
+        G2=encode_spec.group_size,
+        BITS2=encode_spec.bits,
+        QMAX2=encode_spec.qmax,
+        SCALE2_BF16=encode_spec.scale_dtype == torch.bfloat16,
+    )
+    return tile, own, enc, own_out, e_args  # out = own: only the non-ENCODE branch writes out_ptr
+
+
 def reduce_rows(
     buf: torch.Tensor,
     spec,
@@ -301,29 +325,8 @@ def reduce_rows(
     the exact sum of row own_seg fp32 [encode_rows_n], non-finite group count)."""
     R = buf.shape[0]
     hb, signs = hadamard if hadamard is not None else (1, own.new_ones(1))
-    sizes = (spec.group_size, hb) + ((encode_spec.group_size,) if encode_spec else ())
-    tile = _tile(numel, *sizes)
-    if encode_spec is not None:
-        tile = min(tile, encode_rows_n & -encode_rows_n)  # a power of two dividing the row: never spans two
-        if encode_rows_n % tile or numel % encode_rows_n:
-            raise ValueError(f"reduce_rows: rows of {encode_rows_n} must tile {numel} in tiles of {tile}")
+    tile, out, enc, own_out, e_args = _reduce_outputs(buf, spec, numel, own, hb, encode_spec, encode_rows_n)
     flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
-    if encode_spec is None:
-        out = torch.empty(numel, dtype=torch.float32, device=buf.device)
-        enc = own_out = out  # placeholders: the kernel's ENCODE branch (which writes them) is compiled out
-        e_args = dict(G2=spec.group_size, BITS2=spec.bits, QMAX2=spec.qmax, SCALE2_BF16=False)
-    else:
-        out = own  # placeholder: only the non-ENCODE branch writes out_ptr
-        enc = torch.empty(
-            (numel // encode_rows_n, encode_spec.wire_bytes(encode_rows_n)), dtype=torch.uint8, device=buf.device
-        )
-        own_out = torch.empty(encode_rows_n, dtype=torch.float32, device=buf.device)
-        e_args = dict(
-            G2=encode_spec.group_size,
-            BITS2=encode_spec.bits,
-            QMAX2=encode_spec.qmax,
-            SCALE2_BF16=encode_spec.scale_dtype == torch.bfloat16,
-        )
     stochastic = (encode_spec or spec).rounding == "stochastic"
     _reduce_kernel[(triton.cdiv(numel, tile),)](
         buf,

@@ -191,52 +191,61 @@ def reduce_rows(
     `hadamard`. With `encode_spec` the sum is instead split into rows of `encode_numel` and
     re-encoded: returns (wire [numel / encode_numel, wire bytes], fp32 copy of row `own_seg`,
     nonfinite)."""
+    args = (buf, spec, numel, own, own_row, bad, hadamard, encode_spec, encode_numel, own_seg, generator)
     if _use_op(buf):
-        signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], buf.device)
-        enc = _spec_args(encode_spec) if encode_spec is not None else (0, 2, spec.rounding == "stochastic", False)
-        out, own_out, flag = torch.ops.sdpq.reduce_rows(
-            buf,
-            numel,
-            spec.bits,
-            spec.group_size,
-            spec.scale_dtype == torch.bfloat16,
-            own.reshape(-1),
-            own_row,
-            bad,
-            signs_t,
-            enc[0],
-            enc[1],
-            enc[2],
-            enc[3],
-            encode_numel,
-            own_seg,
-            _seed(generator),
-        )
-        return out if encode_spec is None else (out, own_out, flag)
-    bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
+        return _reduce_rows_op(*args)
     if uses_kernels(buf):
-        from ..kernels import codec
-
-        res = codec.reduce_rows(
-            buf,
-            spec,
-            numel,
-            own.reshape(-1),
-            own_row,
-            bad_f,
-            hadamard=_kernel_signs(hadamard, buf.device),
-            encode_spec=encode_spec,
-            encode_rows_n=encode_numel,
-            own_seg=own_seg,
-            seed=_seed(generator),
-        )
-        if encode_spec is None:
-            return res
-        wire, own_out, flag = res
-        return wire, own_out, flag[0] > 0
+        return _reduce_rows_triton(*args)
+    bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
     return _reduce_rows_ref(
         buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator
     )
+
+
+def _reduce_rows_op(buf, spec, numel, own, own_row, bad, hadamard, encode_spec, encode_numel, own_seg, generator):
+    """reduce_rows through the registered operator (C++ on CPU)."""
+    signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], buf.device)
+    enc = _spec_args(encode_spec) if encode_spec is not None else (0, 2, spec.rounding == "stochastic", False)
+    out, own_out, flag = torch.ops.sdpq.reduce_rows(
+        buf,
+        numel,
+        spec.bits,
+        spec.group_size,
+        spec.scale_dtype == torch.bfloat16,
+        own.reshape(-1),
+        own_row,
+        bad,
+        signs_t,
+        *enc,
+        encode_numel,
+        own_seg,
+        _seed(generator),
+    )
+    return out if encode_spec is None else (out, own_out, flag)
+
+
+def _reduce_rows_triton(buf, spec, numel, own, own_row, bad, hadamard, encode_spec, encode_numel, own_seg, generator):
+    """reduce_rows as Triton kernels (CUDA, or Triton's interpreter in the tests)."""
+    from ..kernels import codec
+
+    bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
+    res = codec.reduce_rows(
+        buf,
+        spec,
+        numel,
+        own.reshape(-1),
+        own_row,
+        bad_f,
+        hadamard=_kernel_signs(hadamard, buf.device),
+        encode_spec=encode_spec,
+        encode_rows_n=encode_numel,
+        own_seg=own_seg,
+        seed=_seed(generator),
+    )
+    if encode_spec is None:
+        return res
+    wire, own_out, flag = res
+    return wire, own_out, flag[0] > 0
 
 
 def _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator):
