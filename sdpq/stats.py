@@ -16,7 +16,7 @@ __all__ = ["CommStats", "of", "summary", "reset"]
 
 # Where an integration keeps its CommStats: DeepSpeed engines carry `.sdpq` (the adapter), FSDP2
 # models the record that sdpq.fsdp.apply leaves on them; both expose `.stats`.
-_HOLDERS = ("sdpq", "_sdpq_fsdp")
+_HOLDERS = ("sdpq", "_sdpq_fsdp")  # engine.sdpq; ROOT_ATTR of integrations/_fsdp_hooks.py
 
 
 def of(target=None) -> CommStats:
