@@ -161,11 +161,9 @@ def _read_arguments(ds_initialize, args: tuple, kwargs: dict) -> tuple[dict, dic
 
 def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
     block = _block(ds)
-    if ds is None:  # no config at all: DeepSpeed's own error
-        return ds_initialize(**a)
     with _no_shm_op_build():
-        if block is None or (isinstance(block, Mapping) and len(block) == 0):
-            if block is not None:  # an empty block: plain DeepSpeed, without the unknown key
+        if ds is None or block is None or (isinstance(block, Mapping) and len(block) == 0):
+            if ds is not None and block is not None:  # an empty block: plain DeepSpeed, without the unknown key
                 a["config"] = {k: v for k, v in ds.items() if k != "sdpq"}
                 _drop_other_sources(a, where)
             return ds_initialize(**a)

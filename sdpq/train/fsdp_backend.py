@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from ..comm import stats as comm_stats
 from ..comm import timing
 from ..config import Config
 from ..integrations import fsdp as sdpq_fsdp
+from ..optim.layout import local
 from .data import TokenData
 from .model import GPT
 from .run import (
@@ -157,22 +158,18 @@ def _optimizer_bytes_per_param(opt, model) -> float:
 
         rep = memory_report(opt)
         nbytes = sum(rep.get(k, 0) for k in ("weights", "master", "states", "metadata"))
-        numel = sum(
-            (p.to_local() if hasattr(p, "to_local") else p).numel()
-            for p in params
-            if any(p is q for g in opt.param_groups for q in g["params"])
-        )
+        numel = sum(local(p).numel() for p in params if any(p is q for g in opt.param_groups for q in g["params"]))
         # Frozen parameters are weights too.
-        nbytes += sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params if not p.requires_grad)
-        numel += sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params if not p.requires_grad)
+        nbytes += sum(local(p).nbytes for p in params if not p.requires_grad)
+        numel += sum(local(p).numel() for p in params if not p.requires_grad)
     except Exception:  # the optimizer layer's report is unavailable: count tensors ourselves
-        loc = [(p.to_local() if hasattr(p, "to_local") else p) for p in params]
+        loc = [local(p) for p in params]
         nbytes = sum(t.nbytes for t in loc)
         numel = sum(t.numel() for t in loc)
         for st in opt.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    nbytes += (v.to_local() if hasattr(v, "to_local") else v).nbytes
+                    nbytes += local(v).nbytes
     t = torch.tensor([float(nbytes), float(numel)], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t[0] / t[1])
@@ -186,7 +183,7 @@ def _forward_digests(model, record: list) -> list:
     unsharded parameters: what this rank's forward computes with."""
     handles = []
     for name, m in model.named_modules():
-        if not isinstance(m, FSDPModule):  # (every FSDPModule is an nn.Module)
+        if not isinstance(m, FSDPModule):
             continue
 
         @torch.compiler.disable  # a check, not part of the model: eager even in a compiled block
@@ -194,7 +191,7 @@ def _forward_digests(model, record: list) -> list:
             own = [p for p in mod.parameters() if not hasattr(p, "to_local")]  # unsharded = plain tensors
             record.append((name, digest(torch.cat([p.detach().reshape(-1).float() for p in own]))))
 
-        handles.append(nn.Module.register_forward_pre_hook(m, hook))  # type: ignore[arg-type]
+        handles.append(cast(nn.Module, m).register_forward_pre_hook(hook))  # every FSDPModule is a Module
     return handles
 
 
@@ -232,9 +229,7 @@ def _check_records(model, cfg: Config | None, forward_digests: list) -> dict[str
     """What `checks` records: the weights every forward used, the final shards, the references."""
     out: dict[str, Any] = {
         "forward_digests": forward_digests,
-        "param_digests": {
-            n: digest(p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters()
-        },
+        "param_digests": {n: digest(local(p)) for n, p in model.named_parameters()},
     }
     if cfg is not None and cfg.weights.mode == "diff":
         out["references"] = {
