@@ -83,8 +83,7 @@ class GradReduceScatter:
 
     numel: elements of the full input bucket; each rank gets `chunk_numel` = ceil(numel / N)
     (elements past the end of the bucket, on the last ranks, are returned as zeros).
-    stats / record_to: what to record (StatsConfig) and into which CommStats (default: the
-    process-wide one, sdpq.stats.of()).
+    stats / record_to: as for WeightGather.
     """
 
     def __init__(

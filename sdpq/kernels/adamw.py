@@ -56,7 +56,11 @@ def _encode_e4m3(x):
 
 
 @triton.jit
-def _decode_group(codes_ptr, table_ptr, s, k, gm, offs, m):
+def _decode_group(codes_ptr, s_ptr, k_ptr, gm_ptr, table_ptr, offs, m, goffs, gmask):
+    """The fp32 values of one moment's groups (codes decoded through the group's s, k, gm)."""
+    s = tl.load(s_ptr + goffs, mask=gmask, other=0.0)
+    k = tl.load(k_ptr + goffs, mask=gmask, other=1.0)
+    gm = tl.load(gm_ptr + goffs, mask=gmask, other=1.0)
     c = tl.load(table_ptr + tl.load(codes_ptr + offs, mask=m, other=0).to(tl.int32))
     inv_k = 1.0 / k
     bias = tl.where(tl.abs(s) < float("inf"), tl.log2(s) * inv_k + tl.log2(gm), float("nan"))
@@ -127,28 +131,12 @@ def _adamw_kernel(
     goffs = row * n_groups + grp
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     # First moment: decode, lerp (torch's formula for weights < 0.5), re-encode.
-    ma = _decode_group(
-        mc_ptr,
-        table_ptr,
-        tl.load(ms_ptr + goffs, mask=gmask, other=0.0),
-        tl.load(mk_ptr + goffs, mask=gmask, other=1.0),
-        tl.load(mg_ptr + goffs, mask=gmask, other=1.0),
-        offs,
-        m,
-    )
+    ma = _decode_group(mc_ptr, ms_ptr, mk_ptr, mg_ptr, table_ptr, offs, m, goffs, gmask)
     ma = ma + one_minus_b1 * (g - ma)
     ma = tl.where(m, ma, 0.0)
     _encode_group(ma, mc_ptr, ms_ptr, mk_ptr, mg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX)
     # Second moment.
-    va = _decode_group(
-        vc_ptr,
-        table_ptr,
-        tl.load(vs_ptr + goffs, mask=gmask, other=0.0),
-        tl.load(vk_ptr + goffs, mask=gmask, other=1.0),
-        tl.load(vg_ptr + goffs, mask=gmask, other=1.0),
-        offs,
-        m,
-    )
+    va = _decode_group(vc_ptr, vs_ptr, vk_ptr, vg_ptr, table_ptr, offs, m, goffs, gmask)
     va = va * b2 + one_minus_b2 * g * g  # addcmul's order: (value * g) * g
     va = tl.where(m, va, 0.0)
     _encode_group(va, vc_ptr, vs_ptr, vk_ptr, vg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX)

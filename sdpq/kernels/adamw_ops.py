@@ -27,6 +27,7 @@ states, within the rounding of log2 / exp2 with them (see the header of ``sdpq/c
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -48,64 +49,42 @@ def cpu_available() -> bool:
     return native.load("adamw")
 
 
+class StepArgs(NamedTuple):
+    """The arguments of ``sdpq::adamw_step``, in schema order."""
+
+    param: torch.Tensor
+    param_lo: torch.Tensor | None
+    grad: torch.Tensor
+    exp_avg: list[torch.Tensor]
+    exp_avg_sq: list[torch.Tensor]
+    m_format: str
+    v_format: str
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+    group_size: int
+
+
 @torch.library.register_fake("sdpq::adamw_step")
-def _adamw_step_fake(
-    param,
-    param_lo,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    m_format,
-    v_format,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    group_size,
-):
+def _adamw_step_fake(*args):
     return None
 
 
-def _adamw_step_cuda(
-    param,
-    param_lo,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    m_format,
-    v_format,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    group_size,
-):
-    if not (m_format == v_format == "e4m3" and param_lo is not None and group_size & (group_size - 1) == 0):
+def _adamw_step_cuda(*args):
+    a = StepArgs(*args)
+    if not (a.m_format == a.v_format == "e4m3" and a.param_lo is not None and a.group_size & (a.group_size - 1) == 0):
         raise NotImplementedError(
             f"sdpq::adamw_step on CUDA covers E4M3 m and v with an MCF master and a power-of-two group size "
-            f"(got m_format={m_format!r}, v_format={v_format!r}, MCF master: {param_lo is not None}, "
-            f"group_size={group_size}); use sdpq.optim.AdamW, whose PyTorch path covers every layout"
+            f"(got m_format={a.m_format!r}, v_format={a.v_format!r}, MCF master: {a.param_lo is not None}, "
+            f"group_size={a.group_size}); use sdpq.optim.AdamW, whose PyTorch path covers every layout"
         )
     from .adamw import adamw_fp8_mcf_step
 
-    adamw_fp8_mcf_step(
-        param,
-        param_lo,
-        grad,
-        tuple(exp_avg),
-        tuple(exp_avg_sq),
-        lr=lr,
-        b1=beta1,
-        b2=beta2,
-        eps=eps,
-        wd=weight_decay,
-        step=step,
-        group_size=group_size,
-    )
+    hyper = dict(lr=a.lr, b1=a.beta1, b2=a.beta2, eps=a.eps, wd=a.weight_decay, step=a.step, group_size=a.group_size)
+    adamw_fp8_mcf_step(a.param, a.param_lo, a.grad, tuple(a.exp_avg), tuple(a.exp_avg_sq), **hyper)
 
 
 _LIB.impl("adamw_step", _adamw_step_cuda, "CUDA")

@@ -42,6 +42,39 @@ __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
 
 
 @triton.jit
+def _store_groups(
+    vg,
+    row_ptr,
+    code_bytes,
+    groups,
+    gmask,
+    offs,
+    seed,
+    flag_ptr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+):
+    """Quantize the [groups, G] values vg into a wire row (codes, then scales) and count the
+    groups that held inf/NaN into flag_ptr. offs: each element's position in the random stream."""
+    s, finite = group_scales(vg, QMAX, SCALE_BF16)
+    codes = quantize_tile(vg, s, finite, offs, seed, QMAX, STOCHASTIC)
+    store_codes(row_ptr, codes, groups, G, BITS, gmask)
+    store_scales(row_ptr + code_bytes, s, groups, SCALE_BF16, gmask)
+    tl.atomic_add(flag_ptr, tl.sum((gmask & ~finite).to(tl.int32)))
+
+
+@triton.jit
+def _load_groups(row_ptr, code_bytes, groups, gmask, G: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr):
+    """The dequantized [groups, G] values of a wire row."""
+    return dequantize_tile(
+        load_codes(row_ptr, groups, G, BITS, gmask), load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask)
+    )
+
+
+@triton.jit
 def _encode_kernel(
     x_ptr,
     x_stride,
@@ -87,14 +120,10 @@ def _encode_kernel(
     vg = tl.reshape(v, [NG, G])
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
-    s, finite = group_scales(vg, QMAX, SCALE_BF16)
     offs = (r * tiles_per_row + t) * TILE + tl.reshape(tl.arange(0, TILE), [NG, G])
-    codes = quantize_tile(vg, s, finite, offs, seed, QMAX, STOCHASTIC)
     og = seg * tl.cdiv(n, G) + groups  # group index inside the (segmented) output row
     row_ptr = out_ptr + (r % P) * out_stride
-    store_codes(row_ptr, codes, og, G, BITS, gmask)
-    store_scales(row_ptr + code_bytes, s, og, SCALE_BF16, gmask)
-    tl.atomic_add(flag_ptr, tl.sum((gmask & ~finite).to(tl.int32)))
+    _store_groups(vg, row_ptr, code_bytes, og, gmask, offs, seed, flag_ptr, G, BITS, QMAX, STOCHASTIC, SCALE_BF16)
 
 
 @triton.jit
@@ -116,10 +145,7 @@ def _decode_kernel(
     NG: tl.constexpr = TILE // G
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
-    row_ptr = buf_ptr + r * buf_stride
-    vals = dequantize_tile(
-        load_codes(row_ptr, groups, G, BITS, gmask), load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask)
-    )
+    vals = _load_groups(buf_ptr + r * buf_stride, code_bytes, groups, gmask, G, BITS, SCALE_BF16)
     col = t * TILE + tl.arange(0, TILE)
     m = col < n
     v = tl.reshape(vals, [TILE])
@@ -130,6 +156,35 @@ def _decode_kernel(
         tl.store(dst, to_bf16_rne(v), mask=m)
     else:
         tl.store(dst, v.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _sum_rows(
+    buf_ptr,
+    buf_stride,
+    rows,
+    own_ptr,
+    own_row,
+    code_bytes,
+    col,
+    m,
+    groups,
+    gmask,
+    TILE: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+):
+    """The sum of the received rows' tile, row own_row replaced by this rank's exact values."""
+    acc = tl.zeros([TILE], tl.float32)
+    for k in range(rows):  # the same order as the reference's sum over dim 0
+        if k == own_row:  # this rank's own contribution is exact, its wire row is never read
+            part = tl.load(own_ptr + col, mask=m, other=0.0)
+        else:
+            vals = _load_groups(buf_ptr + k * buf_stride, code_bytes, groups, gmask, G, BITS, SCALE_BF16)
+            part = tl.reshape(vals, [TILE])
+        acc += part
+    return acc
 
 
 @triton.jit
@@ -171,36 +226,22 @@ def _reduce_kernel(
     gmask = groups * G < n
     col = t * TILE + tl.arange(0, TILE)
     m = col < n
-    acc = tl.zeros([TILE], tl.float32)
-    for k in range(rows):  # the same order as the reference's sum over dim 0
-        if k == own_row:  # this rank's own contribution is exact, its wire row is never read
-            part = tl.load(own_ptr + col, mask=m, other=0.0)
-        else:
-            row_ptr = buf_ptr + k * buf_stride
-            part = tl.reshape(
-                dequantize_tile(
-                    load_codes(row_ptr, groups, G, BITS, gmask),
-                    load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask),
-                ),
-                [TILE],
-            )
-        acc += part
+    acc = _sum_rows(
+        buf_ptr, buf_stride, rows, own_ptr, own_row, code_bytes, col, m, groups, gmask, TILE, G, BITS, SCALE_BF16
+    )
     acc = acc + tl.load(bad_ptr)  # 0.0, or NaN when the sender side saw a non-finite group
     if ENCODE:  # re-quantize: output row = col // enc_n (each enc_n a multiple of TILE)
         e_row = (t * TILE) // enc_n
-        e_col = col - e_row * enc_n
         if e_row == own_seg:
-            tl.store(own_out_ptr + e_col, acc, mask=m)
+            tl.store(own_out_ptr + (col - e_row * enc_n), acc, mask=m)
         NG2: tl.constexpr = TILE // G2
         vg = tl.reshape(acc, [NG2, G2])
         groups2 = (t * TILE - e_row * enc_n) // G2 + tl.arange(0, NG2)
         g2mask = groups2 * G2 < enc_n
-        s, finite = group_scales(vg, QMAX2, SCALE2_BF16)
-        codes = quantize_tile(vg, s, finite, tl.reshape(col, [NG2, G2]), seed, QMAX2, STOCHASTIC)
-        row_ptr = enc_ptr + e_row * enc_stride
-        store_codes(row_ptr, codes, groups2, G2, BITS2, g2mask)
-        store_scales(row_ptr + enc_code_bytes, s, groups2, SCALE2_BF16, g2mask)
-        tl.atomic_add(flag_ptr, tl.sum((g2mask & ~finite).to(tl.int32)))
+        _store_groups(
+            vg, enc_ptr + e_row * enc_stride, enc_code_bytes, groups2, g2mask, tl.reshape(col, [NG2, G2]), seed,
+            flag_ptr, G2, BITS2, QMAX2, STOCHASTIC, SCALE2_BF16,
+        )  # fmt: skip
     else:
         if HB > 1:  # D H y: butterflies, then the signs (as the reference)
             acc = tl.reshape(fwht(tl.reshape(acc, [TILE // HB, HB]), HB, LOG2HB, False), [TILE])

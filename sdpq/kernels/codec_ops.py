@@ -15,6 +15,7 @@ so results do not depend on the number of threads.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -49,16 +50,56 @@ def cpu_available() -> bool:
     return native.load("codec")
 
 
+# ---------------------------------------------------------------------------- arguments
+
+
+class EncodeArgs(NamedTuple):
+    """The arguments of ``sdpq::encode_rows``, in schema order."""
+
+    x: torch.Tensor
+    ref: torch.Tensor | None
+    segments: int
+    bits: int
+    group_size: int
+    stochastic: bool
+    scale_bf16: bool
+    signs: torch.Tensor | None
+    own_row: int
+    seed: int
+
+
+class ReduceArgs(NamedTuple):
+    """The arguments of ``sdpq::reduce_rows``, in schema order (``enc_bits`` 0: no re-encode)."""
+
+    buf: torch.Tensor
+    numel: int
+    bits: int
+    group_size: int
+    scale_bf16: bool
+    own: torch.Tensor
+    own_row: int
+    bad: torch.Tensor
+    signs: torch.Tensor | None
+    enc_bits: int
+    enc_group_size: int
+    enc_stochastic: bool
+    enc_scale_bf16: bool
+    enc_numel: int
+    own_seg: int
+    seed: int
+
+
 # ---------------------------------------------------------------------------- fake (Meta)
 
 
 @torch.library.register_fake("sdpq::encode_rows")
-def _encode_fake(x, ref, segments, bits, group_size, stochastic, scale_bf16, signs, own_row, seed):
-    R, n = x.shape
-    P = R // segments
-    wire = x.new_empty((P, wire_bytes(segments * n, bits, group_size, scale_bf16)), dtype=torch.uint8)
-    own = x.new_empty((segments, n) if own_row >= 0 else (0,), dtype=torch.float32)
-    return wire, own, x.new_empty((), dtype=torch.bool)
+def _encode_fake(*args):
+    a = EncodeArgs(*args)
+    R, n = a.x.shape
+    wire_row = wire_bytes(a.segments * n, a.bits, a.group_size, a.scale_bf16)
+    wire = a.x.new_empty((R // a.segments, wire_row), dtype=torch.uint8)
+    own = a.x.new_empty((a.segments, n) if a.own_row >= 0 else (0,), dtype=torch.float32)
+    return wire, own, a.x.new_empty((), dtype=torch.bool)
 
 
 @torch.library.register_fake("sdpq::decode_rows")
@@ -67,110 +108,80 @@ def _decode_fake(buf, numel, bits, group_size, scale_bf16, out, add):
 
 
 @torch.library.register_fake("sdpq::reduce_rows")
-def _reduce_fake(
-    buf,
-    numel,
-    bits,
-    group_size,
-    scale_bf16,
-    own,
-    own_row,
-    bad,
-    signs,
-    enc_bits,
-    enc_group_size,
-    enc_stochastic,
-    enc_scale_bf16,
-    enc_numel,
-    own_seg,
-    seed,
-):
-    flag = buf.new_empty((), dtype=torch.bool)
-    if enc_bits == 0:
-        return buf.new_empty((numel,), dtype=torch.float32), buf.new_empty((0,), dtype=torch.float32), flag
-    wire = buf.new_empty(
-        (numel // enc_numel, wire_bytes(enc_numel, enc_bits, enc_group_size, enc_scale_bf16)), dtype=torch.uint8
+def _reduce_fake(*args):
+    a = ReduceArgs(*args)
+    flag = a.buf.new_empty((), dtype=torch.bool)
+    if a.enc_bits == 0:
+        return a.buf.new_empty((a.numel,), dtype=torch.float32), a.buf.new_empty((0,), dtype=torch.float32), flag
+    rows = a.numel // a.enc_numel
+    wire_row = wire_bytes(a.enc_numel, a.enc_bits, a.enc_group_size, a.enc_scale_bf16)
+    wire = a.buf.new_empty((rows, wire_row), dtype=torch.uint8)
+    return wire, a.buf.new_empty((a.enc_numel,), dtype=torch.float32), flag
+
+
+# ---------------------------------------------------------------------------- Triton (CUDA)
+# The operators' CUDA kernels; sdpq.quant.fused also calls them on CPU tensors in the
+# interpreter test mode (SDPQ_TRITON=interpret).
+
+
+def _spec(bits: int, group_size: int, stochastic: bool, scale_bf16: bool):
+    from ..quant.groupwise import QuantSpec
+
+    return QuantSpec(
+        bits=bits,
+        group_size=group_size,
+        rounding="stochastic" if stochastic else "nearest",
+        scale_dtype=torch.bfloat16 if scale_bf16 else torch.float32,
     )
-    return wire, buf.new_empty((enc_numel,), dtype=torch.float32), flag
-
-
-# ---------------------------------------------------------------------------- CUDA (Triton)
-
-
-class _Spec:
-    """The attributes of a QuantSpec the Triton wrappers read."""
-
-    def __init__(self, bits: int, group_size: int, stochastic: bool, scale_bf16: bool):
-        from ..quant.groupwise import QuantSpec
-
-        self.q = QuantSpec(
-            bits=bits,
-            group_size=group_size,
-            rounding="stochastic" if stochastic else "nearest",
-            scale_dtype=torch.bfloat16 if scale_bf16 else torch.float32,
-        )
 
 
 def _had(signs):
     return None if signs is None else (signs.numel(), signs)
 
 
-@torch.library.impl("sdpq::encode_rows", "CUDA")
-def _encode_cuda(x, ref, segments, bits, group_size, stochastic, scale_bf16, signs, own_row, seed):
+def triton_encode_rows(*args):
     from . import codec
 
-    spec = _Spec(bits, group_size, stochastic, scale_bf16).q
+    a = EncodeArgs(*args)
     wire, own, flag = codec.encode_rows(
-        x, spec, ref=ref, segments=segments, hadamard=_had(signs), own_row=own_row if own_row >= 0 else None, seed=seed
+        a.x,
+        _spec(a.bits, a.group_size, a.stochastic, a.scale_bf16),
+        ref=a.ref,
+        segments=a.segments,
+        hadamard=_had(a.signs),
+        own_row=a.own_row if a.own_row >= 0 else None,
+        seed=a.seed,
     )
-    own = own if own is not None else x.new_empty((0,), dtype=torch.float32)
+    own = own if own is not None else a.x.new_empty((0,), dtype=torch.float32)
     return wire, own, flag[0] > 0
 
 
-@torch.library.impl("sdpq::decode_rows", "CUDA")
-def _decode_cuda(buf, numel, bits, group_size, scale_bf16, out, add):
+def triton_decode_rows(buf, numel, bits, group_size, scale_bf16, out, add):
     from . import codec
 
-    codec.decode_rows(buf, _Spec(bits, group_size, False, scale_bf16).q, numel, out, add=add)
+    codec.decode_rows(buf, _spec(bits, group_size, False, scale_bf16), numel, out, add=add)
 
 
-@torch.library.impl("sdpq::reduce_rows", "CUDA")
-def _reduce_cuda(
-    buf,
-    numel,
-    bits,
-    group_size,
-    scale_bf16,
-    own,
-    own_row,
-    bad,
-    signs,
-    enc_bits,
-    enc_group_size,
-    enc_stochastic,
-    enc_scale_bf16,
-    enc_numel,
-    own_seg,
-    seed,
-):
+def triton_reduce_rows(*args):
     from . import codec
 
-    spec = _Spec(bits, group_size, enc_stochastic, scale_bf16).q
-    bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
-    if enc_bits == 0:
-        out = codec.reduce_rows(buf, spec, numel, own.reshape(-1), own_row, bad_f, hadamard=_had(signs), seed=seed)
-        return out, out.new_empty((0,)), torch.zeros((), dtype=torch.bool, device=buf.device)
-    enc = _Spec(enc_bits, enc_group_size, enc_stochastic, enc_scale_bf16).q
+    a = ReduceArgs(*args)
+    spec = _spec(a.bits, a.group_size, a.enc_stochastic, a.scale_bf16)
+    bad_f = torch.where(a.bad, float("nan"), 0.0).to(torch.float32).reshape(1)
+    common = (a.buf, spec, a.numel, a.own.reshape(-1), a.own_row, bad_f)
+    if a.enc_bits == 0:
+        out = codec.reduce_rows(*common, hadamard=_had(a.signs), seed=a.seed)
+        return out, out.new_empty((0,)), torch.zeros((), dtype=torch.bool, device=a.buf.device)
+    enc = _spec(a.enc_bits, a.enc_group_size, a.enc_stochastic, a.enc_scale_bf16)
     wire, own_out, flag = codec.reduce_rows(
-        buf,
-        spec,
-        numel,
-        own.reshape(-1),
-        own_row,
-        bad_f,
-        encode_spec=enc,
-        encode_rows_n=enc_numel,
-        own_seg=own_seg,
-        seed=seed,
+        *common, encode_spec=enc, encode_rows_n=a.enc_numel, own_seg=a.own_seg, seed=a.seed
     )
     return wire, own_out, flag[0] > 0
+
+
+for _name, _kernel in (
+    ("encode_rows", triton_encode_rows),
+    ("decode_rows", triton_decode_rows),
+    ("reduce_rows", triton_reduce_rows),
+):
+    _LIB.impl(_name, _kernel, "CUDA")

@@ -128,12 +128,13 @@ def saved_key(idx, by_index: dict):
     raise KeyError(f"state_dict has state for parameter {idx!r}, which no param_groups entry lists")
 
 
-def load_state_dict(opt, sd: dict) -> None:
-    saved_groups = sd["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, the optimizer {len(opt.param_groups)}")
+def match_params(param_groups: list, saved_groups: list) -> dict:
+    """{saved parameter index: (parameter, its group, the saved group, where)} for a state_dict's
+    param_groups against an optimizer's; a ValueError when their group or parameter counts differ."""
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, the optimizer {len(param_groups)}")
     by_index = {}
-    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+    for gi, (group, saved) in enumerate(zip(param_groups, saved_groups)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"param_groups[{gi}] has {len(saved['params'])} parameters in the state_dict "
@@ -141,6 +142,12 @@ def load_state_dict(opt, sd: dict) -> None:
             )
         for pi, (idx, p) in enumerate(zip(saved["params"], group["params"])):
             by_index[idx] = (p, group, saved, f"param_groups[{gi}]['params'][{pi}]")
+    return by_index
+
+
+def load_state_dict(opt, sd: dict) -> None:
+    saved_groups = sd["param_groups"]
+    by_index = match_params(opt.param_groups, saved_groups)
     new_state = {}
     for idx, entry in sd["state"].items():
         p, group, saved, where = by_index[saved_key(idx, by_index)]

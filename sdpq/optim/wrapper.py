@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import guard, states
-from .checkpoint import saved_key
+from .checkpoint import match_params, saved_key
 from .layout import fp8_groups_ok, from_saved, is_dtensor, local, rows, to_global
 
 __all__ = ["compress", "CompressedOptimizer"]
@@ -206,22 +206,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of this wrapper (any compression) or of the wrapped optimizer."""
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved_groups)} parameter groups, the optimizer {len(self.param_groups)}"
-            )
-        by_index = {}
-        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"param_groups[{gi}] has {len(saved['params'])} parameters in the state_dict "
-                    f"and {len(group['params'])} in the optimizer"
-                )
-            by_index.update({i: (p, saved) for i, p in zip(saved["params"], group["params"])})
+        by_index = match_params(self.param_groups, saved_groups)
         self.state.clear()
         self.inner.state.clear()
         for idx, entry in state_dict["state"].items():
-            p, saved = by_index[saved_key(idx, by_index)]
+            p, _, saved, _ = by_index[saved_key(idx, by_index)]
             names = _compressed_names(entry)
             covered = _storage_of(entry)
             want = "fp8" if self.compress_format == "fp8" else "bf16"

@@ -118,25 +118,13 @@ def encode_rows(
     R, n = x.shape
     if R % segments:
         raise ValueError(f"encode_rows: {R} rows do not split into {segments} segments")
-    if _use_op(x) and (segments == 1 or n % spec.group_size == 0):
+    native = _use_op(x) and (segments == 1 or n % spec.group_size == 0)
+    if native or uses_kernels(x):
         signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], x.device)
-        wire, own, flag = torch.ops.sdpq.encode_rows(
-            x, ref, segments, *_spec_args(spec), signs_t, -1 if own_row is None else own_row, _seed(generator)
-        )
+        args = (x, ref, segments, *_spec_args(spec), signs_t, -1 if own_row is None else own_row, _seed(generator))
+        op = torch.ops.sdpq.encode_rows if native else codec_ops.triton_encode_rows
+        wire, own, flag = op(*args)
         return wire, (own if own_row is not None else None), flag
-    if uses_kernels(x):
-        from ..kernels import codec
-
-        wire, own, flag = codec.encode_rows(
-            x,
-            spec,
-            ref=ref,
-            segments=segments,
-            hadamard=_kernel_signs(hadamard, x.device),
-            own_row=own_row,
-            seed=_seed(generator),
-        )
-        return wire, own, flag[0] > 0
     return _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator)
 
 
@@ -156,13 +144,11 @@ def decode_rows(
     buf: torch.Tensor, spec: QuantSpec, numel: int, out: torch.Tensor, *, add: bool = False
 ) -> torch.Tensor:
     """wire [R, wire_bytes(numel)] -> out [R, numel] (its dtype); ``out += values`` (fp32 math) if add."""
-    if _use_op(buf) and out.dim() == 2 and out.stride(1) == 1:
-        torch.ops.sdpq.decode_rows(buf, numel, spec.bits, spec.group_size, spec.scale_dtype == torch.bfloat16, out, add)
+    native = _use_op(buf) and out.dim() == 2 and out.stride(1) == 1
+    if native or uses_kernels(buf):
+        op = torch.ops.sdpq.decode_rows if native else codec_ops.triton_decode_rows
+        op(buf, numel, spec.bits, spec.group_size, spec.scale_dtype == torch.bfloat16, out, add)
         return out
-    if uses_kernels(buf):
-        from ..kernels import codec
-
-        return codec.decode_rows(buf, spec, numel, out, add=add)
     return _decode_rows_ref(buf, spec, numel, out, add)
 
 
@@ -191,61 +177,19 @@ def reduce_rows(
     `hadamard`. With `encode_spec` the sum is instead split into rows of `encode_numel` and
     re-encoded: returns (wire [numel / encode_numel, wire bytes], fp32 copy of row `own_seg`,
     nonfinite)."""
-    args = (buf, spec, numel, own, own_row, bad, hadamard, encode_spec, encode_numel, own_seg, generator)
-    if _use_op(buf):
-        return _reduce_rows_op(*args)
-    if uses_kernels(buf):
-        return _reduce_rows_triton(*args)
+    native = _use_op(buf)
+    if native or uses_kernels(buf):
+        signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], buf.device)
+        enc = _spec_args(encode_spec) if encode_spec is not None else (0, 2, spec.rounding == "stochastic", False)
+        spec_args = (spec.bits, spec.group_size, spec.scale_dtype == torch.bfloat16)
+        args = (buf, numel, *spec_args, own.reshape(-1), own_row, bad, signs_t, *enc, encode_numel, own_seg)
+        op = torch.ops.sdpq.reduce_rows if native else codec_ops.triton_reduce_rows
+        out, own_out, flag = op(*args, _seed(generator))
+        return out if encode_spec is None else (out, own_out, flag)
     bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
     return _reduce_rows_ref(
         buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator
     )
-
-
-def _reduce_rows_op(buf, spec, numel, own, own_row, bad, hadamard, encode_spec, encode_numel, own_seg, generator):
-    """reduce_rows through the registered operator (C++ on CPU)."""
-    signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], buf.device)
-    enc = _spec_args(encode_spec) if encode_spec is not None else (0, 2, spec.rounding == "stochastic", False)
-    out, own_out, flag = torch.ops.sdpq.reduce_rows(
-        buf,
-        numel,
-        spec.bits,
-        spec.group_size,
-        spec.scale_dtype == torch.bfloat16,
-        own.reshape(-1),
-        own_row,
-        bad,
-        signs_t,
-        *enc,
-        encode_numel,
-        own_seg,
-        _seed(generator),
-    )
-    return out if encode_spec is None else (out, own_out, flag)
-
-
-def _reduce_rows_triton(buf, spec, numel, own, own_row, bad, hadamard, encode_spec, encode_numel, own_seg, generator):
-    """reduce_rows as Triton kernels (CUDA, or Triton's interpreter in the tests)."""
-    from ..kernels import codec
-
-    bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
-    res = codec.reduce_rows(
-        buf,
-        spec,
-        numel,
-        own.reshape(-1),
-        own_row,
-        bad_f,
-        hadamard=_kernel_signs(hadamard, buf.device),
-        encode_spec=encode_spec,
-        encode_rows_n=encode_numel,
-        own_seg=own_seg,
-        seed=_seed(generator),
-    )
-    if encode_spec is None:
-        return res
-    wire, own_out, flag = res
-    return wire, own_out, flag[0] > 0
 
 
 def _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator):

@@ -135,3 +135,30 @@ def test_reduce_then_encode_bitwise(R, nodes):
                                             encode_rows_n=S, own_seg=nodes - 1)
     want, want_own, bad = _reduce_rows_ref(buf, spec_in, nodes * S, own, 0, zero, None, spec_out, S, nodes - 1, None)
     assert torch.equal(wire, want) and _same(own_out, want_own) and int(flag[0]) == 0 and not bool(bad)
+
+
+@pytest.mark.skipif(CUDA, reason="compares the interpreter against the CPU operator")
+def test_operator_adapters_match_the_cpu_operator():
+    """The operators' CUDA kernels (sdpq.kernels.codec_ops.triton_*) take the schema's flat
+    arguments: on the same arguments they give bitwise what the C++ CPU operator gives."""
+    from sdpq.kernels import codec_ops
+
+    if not codec_ops.cpu_available():
+        pytest.skip("no C++ compiler: the CPU operator is not built")
+    g = torch.Generator().manual_seed(0)
+    signs = torch.where(torch.rand(128, generator=g) < 0.5, -1.0, 1.0)
+    x = torch.randn(4, 1024, generator=g)
+    enc = (x, None, 2, 4, 128, False, True, signs, 1, 0)  # 2 segments, Hadamard 128, own row 1
+    got, want = codec_ops.triton_encode_rows(*enc), torch.ops.sdpq.encode_rows(*enc)
+    assert all(_same(a, b) for a, b in zip(got, want))
+    wire = want[0]
+    out_t = torch.randn(2, 2048, generator=g)
+    out_c = out_t.clone()
+    codec_ops.triton_decode_rows(wire, 2048, 4, 128, True, out_t, True)
+    torch.ops.sdpq.decode_rows(wire, 2048, 4, 128, True, out_c, True)
+    assert _same(out_t, out_c)
+    own, ok = torch.randn(2048, generator=g), torch.tensor(False)
+    for tail in ((0, 2, False, False, 0, -1, 0), (4, 64, False, True, 1024, 1, 0)):  # inverse Hadamard / re-encode
+        red = (wire, 2048, 4, 128, True, own, 0, ok, signs if tail[0] == 0 else None, *tail)
+        got, want = codec_ops.triton_reduce_rows(*red), torch.ops.sdpq.reduce_rows(*red)
+        assert all(_same(a, b) for a, b in zip(got, want))
