@@ -43,7 +43,8 @@ from sdpq.train.run import RunSpec  # noqa: E402
 
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
 FULL = {"weights": {"mode": "diff"}, "gradients": {"mode": "two_level"},
-        "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"}}
+        "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"},
+        "workarounds": {"deepspeed_alias_bf16_master": True}}
 RUNS = {
     "baseline": None,
     "exact": EXACT,

@@ -26,6 +26,7 @@ __all__ = [
     "OptimizerConfig",
     "TopologyConfig",
     "StatsConfig",
+    "WorkaroundsConfig",
 ]
 
 ROOT = "sdpq"
@@ -277,12 +278,28 @@ class StatsConfig(_Section):
         _check_int(f"{path}.error_sample_every", self.error_sample_every, 0)
 
 
+@dataclass(frozen=True)
+class WorkaroundsConfig(_Section):
+    """Opt-in workarounds for bugs of the frameworks sdpq plugs into; each key names its bug.
+
+    deepspeed_alias_bf16_master: ZeRO-3 (deepspeed 0.19) means to use the bf16 compute partition
+      as the master partition when both are bf16, but its check compares a torch.device with a
+      device-name string and always fails, so with sdpq's MCF master (bf16 high part) it keeps a
+      second bf16 copy, refreshed after every step: 2 bytes per parameter for nothing. True
+      points the master partitions at the compute partitions before the first step (the same
+      values at every step: bitwise the same training). Ignored by FSDP2.
+    """
+
+    deepspeed_alias_bf16_master: bool = False
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     "weights": WeightsConfig,
     "gradients": GradientsConfig,
     "optimizer": OptimizerConfig,
     "topology": TopologyConfig,
     "stats": StatsConfig,
+    "workarounds": WorkaroundsConfig,
 }
 
 
@@ -295,6 +312,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    workarounds: WorkaroundsConfig = field(default_factory=WorkaroundsConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

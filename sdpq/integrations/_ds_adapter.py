@@ -25,9 +25,10 @@ What is patched, and why there (DeepSpeed 0.19.8):
   runs, and DeepSpeed's function otherwise. DeepSpeed's averaging is kept bit for bit: the
   same pre-division by the group size in the gradient dtype (exact mode), or the SUM in fp32
   divided once afterwards (quantized mode); its pre/post-scaling factors stay its own.
-- optimizer memory: with sdpq AdamW on bf16 master partitions (MCF), the master partition list
-  is pointed at the compute partitions (`_alias_bf16_master`), the aliasing ZeRO-3 intends but
-  misses (it compares a torch.device with a string), saving a redundant bf16 copy.
+- optimizer memory, opt-in (`workarounds.deepspeed_alias_bf16_master`): with sdpq AdamW on bf16
+  master partitions (MCF), the master partition list is pointed at the compute partitions
+  (`_alias_bf16_master`), the aliasing ZeRO-3 intends but misses (it compares a torch.device
+  with a string), saving a redundant bf16 copy.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             self._install_grads()
             self._install_engine()
             install_monitor(self)
-            self._alias_bf16_master()
+            if self.config.workarounds.deepspeed_alias_bf16_master:
+                self._alias_bf16_master()
         except BaseException:
             self.remove()
             raise

@@ -24,7 +24,7 @@ SPEC = RunSpec(backend="deepspeed", model=TINY, steps=4, micro_batch=2, grad_acc
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
 # A non-empty block; every section left out takes its defaults: the full method (two-level
 # gradients, FP8 + MCF AdamW). An empty block would be plain DeepSpeed.
-FULL_BLOCK = {"weights": {"mode": "diff"}}
+FULL_BLOCK = {"weights": {"mode": "diff"}, "workarounds": {"deepspeed_alias_bf16_master": True}}
 
 
 def fresh_deepspeed() -> None:
