@@ -30,15 +30,13 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from sdpq.launch.env import free_port  # noqa: E402
+from sdpq.launch.local import LAUNCHERS, run_local  # noqa: E402
 from sdpq.train.run import RunSpec  # noqa: E402
 
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
@@ -98,33 +96,12 @@ def launch(spec, launcher: str, nproc: int, workdir: Path, name: str, timeout: f
     if result_file.exists():
         result_file.unlink()
     me = [str(Path(__file__).resolve()), "--worker", str(spec_file), str(result_file)]
-    py = sys.executable
-    bindir = Path(py).parent
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if launcher == "torchrun":
-        cmd = [py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + me
-    elif launcher == "deepspeed":
-        cmd = [str(bindir / "deepspeed"), "--num_nodes", "1", "--num_gpus", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + me
-    elif launcher == "mpirun":
-        # --map-by slot: contiguous ranks per host (Open MPI 5 otherwise interleaves local ranks,
-        # which DeepSpeed's MPI discovery rejects).
-        cmd = [str(bindir / "mpirun"), "-np", str(nproc), "--oversubscribe", "--map-by", "slot", "--bind-to", "none",
-               "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "MASTER_ADDR=127.0.0.1",
-               "-x", f"MASTER_PORT={free_port()}"]
-        if os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-        cmd += [py] + me
-    else:
-        raise ValueError(launcher)
     t0 = time.perf_counter()
     log = workdir / f"{name}.log"
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-    if proc.returncode != 0 or not result_file.exists():
+    code = run_local(me, nproc, launcher=launcher, log=log, timeout=timeout)
+    if code != 0 or not result_file.exists():
         tail = log.read_text()[-4000:]
-        raise RuntimeError(f"run {name!r} ({launcher}) failed with exit code {proc.returncode}:\n{tail}")
+        raise RuntimeError(f"run {name!r} ({launcher}) failed with exit code {code}:\n{tail}")
     out = json.loads(result_file.read_text())
     out["launch_seconds"] = time.perf_counter() - t0
     out["launcher"] = launcher
@@ -144,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--save-at", type=int, default=100)
     ap.add_argument("--compare-until", type=int, default=120, help="resume: compare steps save_at+1 .. this")
     ap.add_argument("--runs", default="baseline,exact,full,weights,gradients,optimizer,resume")
-    ap.add_argument("--launcher", default="torchrun", choices=("torchrun", "deepspeed", "mpirun"))
+    ap.add_argument("--launcher", default="torchrun", choices=LAUNCHERS)
     ap.add_argument("--quick", action="store_true", help="tiny model, 6 steps, save at 3: a launcher smoke test")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "deepspeed_convergence.json"))
     ap.add_argument("--timeout", type=float, default=3600)

@@ -31,18 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from sdpq.bench.report import print_table
+from sdpq.launch.emulated import measure_link, run_job
+from sdpq.launch.local import run_local
+from sdpq.launch.netns import EmulatedNodes
 
-from sdpq.bench.report import print_table  # noqa: E402
-from sdpq.launch.emulated import measure_link, run_job  # noqa: E402
-from sdpq.launch.netns import EmulatedNodes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 NODES, RPN = 2, 2
 FULL = {section: {} for section in ("weights", "gradients", "optimizer")}  # the library's defaults
@@ -59,7 +58,7 @@ def _job(cluster: EmulatedNodes, backend: str, block: dict | None, args, work: P
         cfg = work / f"{name}.sdpq.json"
         cfg.write_text(json.dumps(block))
         cmd += ["--config", str(cfg)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     logs = None if args.verbose else work / name
     before, t0 = cluster.link_bytes(), time.monotonic()
     rc = run_job(cluster, cmd, RPN, port=port, timeout=args.timeout, env=env, logs=logs)
@@ -78,15 +77,14 @@ def _loopback_floor(backend: str, args, work: Path) -> dict:
     """The compute floor: the baseline's step time with every rank on one host (loopback, no
     shaped link), the same job otherwise. No link can make a step faster than this."""
     out = work / f"{backend}-baseline-loopback.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NODES * RPN}",
-           "-m", "sdpq.train", "--backend", backend, "--bf16", "--steps", str(args.steps), "--d-model",
-           str(args.d_model), "--n-layer", str(args.n_layer), "--micro-batch", str(args.micro_batch),
-           "--ranks-per-node", str(RPN), "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    argv = ["-m", "sdpq.train", "--backend", backend, "--bf16", "--steps", str(args.steps), "--d-model",
+            str(args.d_model), "--n-layer", str(args.n_layer), "--micro-batch", str(args.micro_batch),
+            "--ranks-per-node", str(RPN), "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"loopback {backend} failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+    log = work / f"{backend}-baseline-loopback.log"
+    code = run_local(argv, NODES * RPN, log=log, timeout=args.timeout)
+    if code != 0:
+        raise RuntimeError(f"loopback {backend} failed (exit {code})\n{log.read_text()[-2000:]}")
     r = json.loads(out.read_text())
     return {"bandwidth": "loopback", "backend": BACKENDS[backend], "arm": "baseline (compute floor)",
             "step_seconds": r["step_seconds"], "final_loss": r["losses"][-1], "job_seconds": time.monotonic() - t0}

@@ -29,21 +29,18 @@ from __future__ import annotations
 
 import os
 
-os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked ranks must not inherit an OpenMP pool
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
 
 import argparse
 import json
 import math
-import multiprocessing as mp
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from sdpq.launch.env import free_port  # noqa: E402
+from sdpq.launch.local import run_local  # noqa: E402
 
 WORLD, RPN = 4, 2
 OFF = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
@@ -74,36 +71,30 @@ LABELS = {"baseline": "FSDP2 fp32", "weights": "weights 4-bit diff", "gradients_
           "full": "full sdpq + fp8/MCF AdamW", "optimizer": "fp8/MCF AdamW only", "bf16_plain": "FSDP2 bf16"}
 
 
-def _rank_main(rank: int, port: int, spec_kw: dict, queue) -> None:
-    try:
-        import warnings
+def worker(job_file: str, out_dir: str) -> None:
+    """One rank (started by torchrun): train the job's RunSpec, write this rank's figures."""
+    import warnings
 
-        import torch
-        import torch.distributed as dist
+    import torch
+    import torch.distributed as dist
 
-        warnings.simplefilter("ignore", FutureWarning)
-        torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % RPN),
-                          LOCAL_WORLD_SIZE=str(RPN), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        from sdpq.train.fsdp_backend import train
-        from sdpq.train.model import GPTConfig
-        from sdpq.train.run import RunSpec
+    warnings.simplefilter("ignore", FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from sdpq.train.fsdp_backend import train
+    from sdpq.train.run import RunSpec
 
-        kw = dict(spec_kw)
-        kw["model"] = GPTConfig(**kw.pop("model"))
-        r = train(RunSpec(**kw), checks=True)
-        digests = r.extra.pop("forward_digests")
-        refs = r.extra.pop("references", None)
-        r.extra.pop("param_digests", None)
-        queue.put((rank, {"losses": r.losses, "val_loss": r.val_loss, "step_seconds": r.step_seconds,
-                          "cross_node_bytes_per_step": r.cross_node_bytes_per_step,
-                          "optimizer_bytes_per_param": r.optimizer_bytes_per_param,
-                          "comm_total": r.comm["total"], "extra": r.extra,
-                          "forward_digests": digests, "references": refs}))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, {"error": traceback.format_exc()}))
+    r = train(RunSpec.from_dict(json.loads(Path(job_file).read_text())), checks=True)
+    digests = r.extra.pop("forward_digests")
+    refs = r.extra.pop("references", None)
+    r.extra.pop("param_digests", None)
+    res = {"losses": r.losses, "val_loss": r.val_loss, "step_seconds": r.step_seconds,
+           "cross_node_bytes_per_step": r.cross_node_bytes_per_step,
+           "optimizer_bytes_per_param": r.optimizer_bytes_per_param,
+           "comm_total": r.comm["total"], "extra": r.extra,
+           "forward_digests": digests, "references": refs}
+    (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
+    dist.destroy_process_group()
 
 
 def _same(a: list[float], b: list[float]) -> bool:
@@ -112,26 +103,15 @@ def _same(a: list[float], b: list[float]) -> bool:
 
 
 def run_once(spec_kw: dict, timeout: float) -> dict:
-    """Train one RunSpec on 4 forked gloo ranks; rank 0's figures + cross-rank checks."""
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, spec_kw, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < WORLD:
-            rank, res = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            if "error" in res:
-                raise RuntimeError(f"rank {rank} failed:\n{res['error']}")
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+    """Train one RunSpec on 4 gloo ranks started by torchrun; rank 0's figures + cross-rank checks."""
+    with tempfile.TemporaryDirectory(prefix="sdpq-fsdp-run-") as tmp:
+        job, log = Path(tmp) / "job.json", Path(tmp) / "run.log"
+        job.write_text(json.dumps(spec_kw))
+        code = run_local([str(Path(__file__).resolve()), "--worker", str(job), tmp], WORLD, log=log, timeout=timeout)
+        files = [Path(tmp) / f"rank{r}.json" for r in range(WORLD)]
+        if code != 0 or not all(f.exists() for f in files):
+            raise RuntimeError(f"the run failed (exit code {code}):\n{log.read_text()[-4000:]}")
+        results = {r: json.loads(f.read_text()) for r, f in enumerate(files)}
     out = results[0]
     # The forward of every rank used identical weights, at every step.
     steps = len(out["forward_digests"])
@@ -315,4 +295,7 @@ def summarize(results: dict, args) -> dict:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(*sys.argv[2:4])
+        sys.exit(0)
     sys.exit(main())

@@ -41,18 +41,14 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from sdpq.launch.env import free_port  # noqa: E402
+from sdpq.launch.local import run_local  # noqa: E402
 from sdpq.train.run import RunSpec  # noqa: E402
 
 ARMS = ("zero3", "zeropp", "sdpq")
@@ -236,35 +232,21 @@ def launch(job: dict, nproc: int, workdir: Path, timeout: float) -> dict:
     job_file, out_dir, log = workdir / "job.json", workdir / "out", workdir / "run.log"
     out_dir.mkdir(exist_ok=True)
     job_file.write_text(json.dumps(job))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           str(Path(__file__).resolve()), "--worker", str(job_file), str(out_dir)]
-    deadline = time.monotonic() + timeout
-    with open(log, "w") as f:
-        # Own session: on timeout the whole launch (torchrun and its ranks) is ended by its group id.
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            for line in proc.stdout:
-                f.write(line)
-                if line.startswith(TAG):
-                    print(line[len(TAG):].rstrip(), flush=True)
-                elif line.startswith("step "):  # deepspeed_backend.train's progress lines (rank 0)
-                    print("      " + line.rstrip(), flush=True)
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise RuntimeError(f"the launch ran past --timeout {timeout:.0f} s; log: {log}") from None
+    def show(line: str) -> None:
+        if line.startswith(TAG):
+            print(line[len(TAG):].rstrip(), flush=True)
+        elif line.startswith("step "):  # deepspeed_backend.train's progress lines (rank 0)
+            print("      " + line.rstrip(), flush=True)
+
+    argv = [str(Path(__file__).resolve()), "--worker", str(job_file), str(out_dir)]
+    # The ranks import this folder's helper package as `benchmarks.zeropp`: the repository root on their path.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    code = run_local(argv, nproc, log=log, timeout=timeout, on_line=show, env={"PYTHONPATH": path})
     results = {a: json.loads((out_dir / f"{a}.json").read_text()) for a in job["arms"]
                if (out_dir / f"{a}.json").exists()}
-    if proc.returncode != 0 or len(results) != len(job["arms"]):
+    if code != 0 or len(results) != len(job["arms"]):
         tail = log.read_text()[-4000:]
-        raise RuntimeError(f"the launch failed (exit code {proc.returncode}; arms finished: {list(results)}):\n{tail}")
+        raise RuntimeError(f"the launch failed (exit code {code}; arms finished: {list(results)}):\n{tail}")
     return results
 
 

@@ -78,7 +78,8 @@ class RunSpec:
         a dict, betas as a list)."""
         d = dict(d)
         d["model"] = GPTConfig(**d["model"])
-        d["betas"] = tuple(d["betas"])
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
         return cls(**d)
 
 
