@@ -3,11 +3,14 @@
 - `Topology.build(ranks_per_node)`: node layout and intra/inter-node groups (collective).
 - `WeightGather(numel, topology, WeightsConfig)`: "my shard -> full bucket" (diff/direct/exact).
 - `GradReduceScatter(numel, topology, GradientsConfig)`: "full bucket -> my chunk", SUM.
+- `GradAllReduce(numel, topology, GradientsConfig)`: "bucket -> the sum on every rank", bitwise
+  the same everywhere (HSDP's replicate dimension).
 - `stats`: bytes per link class and path, sampled errors (`CommStats`; read them through
   `sdpq.stats`).
 """
 
 from . import stats as stats  # the implementation module; read the figures through sdpq.stats
+from .allreduce import GradAllReduce
 from .grads import GradReduceScatter
 from .stats import CommStats
 from .topology import Topology, TopologyError
@@ -19,5 +22,6 @@ __all__ = [
     "WeightGather",
     "ReferenceMismatchWarning",
     "GradReduceScatter",
+    "GradAllReduce",
     "CommStats",
 ]

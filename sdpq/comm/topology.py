@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..config import TopologyConfig
 
-__all__ = ["Topology", "TopologyError", "ranks_per_node_from_env", "LOCAL_SIZE_VARIABLES"]
+__all__ = ["group_layout", "Topology", "TopologyError", "ranks_per_node_from_env", "LOCAL_SIZE_VARIABLES"]
 
 # What launchers set for the number of ranks on this node, read in this order by
 # ranks_per_node="auto": torchrun, the deepspeed launcher, Open MPI, MPICH, srun --ntasks-per-node.
@@ -90,6 +90,22 @@ def _check_layout(L: int, world_size: int, *, check_local_rank: bool) -> None:
             f"LOCAL_RANK of ranks {bad} does not match rank % {L}: sdpq assumes rank = node * "
             "ranks_per_node + local_rank (launch with contiguous ranks per node)"
         )
+
+
+def group_layout(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
+    """(nodes', L') of a group of global `ranks` (in group-rank order) on a world with
+    `ranks_per_node` ranks per node; TopologyError if the group is not a regular grid of it."""
+    per_node: dict[int, list[int]] = {}
+    for r in ranks:
+        per_node.setdefault(r // ranks_per_node, []).append(r)
+    counts = {len(v) for v in per_node.values()}
+    if len(counts) != 1 or any(v != sorted(v) for v in per_node.values()) or ranks != sorted(ranks):
+        raise TopologyError(
+            f"the process group {ranks} holds {[len(v) for v in per_node.values()]} ranks on the nodes it "
+            f"touches (ranks_per_node={ranks_per_node}); sdpq needs the same number on each node, in rank "
+            "order: build the device mesh so that a group is whole nodes, part of one node, or one rank per node"
+        )
+    return len(per_node), counts.pop()
 
 
 @dataclass(eq=False)
@@ -179,6 +195,42 @@ class Topology:
                 g = dist.new_group(self.inter_ranks(l), timeout=timeout)
                 if l == self.local_rank:
                     self.inter_group = g
+
+    @classmethod
+    def for_group(cls, group, world: Topology, *, timeout: timedelta | None = None) -> Topology:
+        """The Topology of `group`, a sub-group of `world` (one dimension of a device mesh: the
+        shard group of HSDP or FSDP x TP, a replicate group), seen as its own nodes' x L' grid
+        of the physical layout: group rank i = node' * L' + local'. Its members on each node they
+        touch must be equally many (TopologyError otherwise): a group of whole nodes, part of one
+        node, or one rank per node. `world` itself when the group is the whole world.
+
+        Collective over the world: every rank calls it, in the same order, each with its own
+        group of the same kind (e.g. each rank its shard group); the groups of all ranks are
+        gathered so that every rank creates every intra/inter sub-group in the same order.
+        """
+        own = dist.get_process_group_ranks(group)
+        if own == list(range(world.world_size)):
+            return world
+        everyone: list[Any] = [None] * world.world_size
+        dist.all_gather_object(everyone, own, group=world.world_group)
+        kinds = sorted({tuple(g) for g in everyone})
+        if sum(len(g) for g in kinds) != world.world_size or len({r for g in kinds for r in g}) != world.world_size:
+            raise TopologyError(
+                f"sdpq: the ranks' groups {kinds} do not partition the world: pass each rank's own group"
+            )
+        layouts = [group_layout(list(g), world.ranks_per_node) for g in kinds]  # raises on every rank alike
+        me, intra, inter = dist.get_rank(), None, None
+        for g, (nodes_g, L_g) in zip(kinds, layouts):
+            # Rows: node' (group ranks n'*L' .. n'*L'+L'-1); columns: local index l'.
+            grid = [list(g[n * L_g : (n + 1) * L_g]) for n in range(nodes_g)]
+            for row in grid if L_g > 1 else []:
+                pg = dist.new_group(row, timeout=timeout)
+                intra = pg if me in row else intra
+            for col in zip(*grid) if nodes_g > 1 else []:
+                pg = dist.new_group(list(col), timeout=timeout)
+                inter = pg if me in col else inter
+        _, L_own = group_layout(own, world.ranks_per_node)
+        return cls(len(own), L_own, own.index(me), intra_group=intra, inter_group=inter, world_group=group)
 
     def check_group(self, group) -> None:
         """Raise unless `group` is the world this topology was built over (integrations call it

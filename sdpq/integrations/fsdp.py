@@ -39,7 +39,7 @@ bitwise; another layout (nodes, ranks per node or world size) rebuilds sdpq's st
 _fsdp_checkpoint.py) and continues.
 
 Files: this one sets up and tears down; `_fsdp_hooks.py` holds the per-module state and the comm
-hooks FSDP calls, `_fsdp_checkpoint.py` the DCP state, `_fsdp_topology.py` the HSDP node layout.
+hooks FSDP calls, `_fsdp_checkpoint.py` the DCP state.
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ from ._fsdp_hooks import (
     StaleWeightsWarning,
     applied,
 )
-from ._fsdp_topology import topology_for_mesh_dim
 
 __all__ = [
     "apply",
@@ -246,7 +245,7 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
         mi = pg.mesh_info
         key = id(mi.shard_process_group)
         if key not in topologies:
-            topologies[key] = topology_for_mesh_dim(world, mi.mesh, mi.shard_mesh_dim, mi.shard_process_group)
+            topologies[key] = Topology.for_group(mi.shard_process_group, world)
         comms_list.append(_module_comms(name, module, pg, topologies[key], cfg, stats))
     marked_by_opt = _marked_by(opts, comms_list)
     # Note: nothing is installed before every check has passed.

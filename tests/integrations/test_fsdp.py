@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sdpq.comm import TopologyError
-from sdpq.integrations._fsdp_topology import group_layout
+from sdpq.comm.topology import group_layout
 
 WORLD, RPN = 4, 2  # 2 simulated nodes x 2 ranks
 TINY = dict(n_layer=2, d_model=64, n_head=2, seq_len=32)
