@@ -232,6 +232,7 @@ def launch(job: dict, nproc: int, workdir: Path, timeout: float) -> dict:
     job_file, out_dir, log = workdir / "job.json", workdir / "out", workdir / "run.log"
     out_dir.mkdir(exist_ok=True)
     job_file.write_text(json.dumps(job))
+
     def show(line: str) -> None:
         if line.startswith(TAG):
             print(line[len(TAG):].rstrip(), flush=True)

@@ -115,6 +115,8 @@ def state_dict(model: nn.Module, *, checkpoint_id: str | os.PathLike | Any | Non
         _save_weights(c.weights, p, out)
         for numel, rs in sorted(c.gradients.items()):
             _save_gradients(rs, p + f"gradients.{numel}.", out)
+        for numel, ar in sorted(c.replicas.items()):  # HSDP: the replicate all-reduce's phase 1
+            _save_gradients(ar.reduce_scatter, p + f"replicate.{numel}.", out)
     st.relayout_from = None
     if checkpoint_id is not None:
         st.relayout_from = _other_layout(out, checkpoint_id, dist.group.WORLD)
@@ -156,7 +158,7 @@ def _rebuild(model: nn.Module, why: str) -> None:
         )
     for c in applied(model).comms:
         c.weights.mark_weights_changed(exact=True)
-        for rs in c.gradients.values():
+        for rs in [*c.gradients.values(), *(ar.reduce_scatter for ar in c.replicas.values())]:
             rs.reset_error_feedback()
 
 
@@ -181,7 +183,9 @@ def load_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None
                 "layout, build the template with sdpq.fsdp.state_dict(model, checkpoint_id=<the checkpoint>)"
             )
         c.weights.load_state_dict(_weights_state(c.weights, p, state))
-        for numel, rs in c.gradients.items():
-            s = _gradients_state(p + f"gradients.{numel}.", state)
+        saved = [(f"gradients.{n}.", rs) for n, rs in c.gradients.items()]
+        saved += [(f"replicate.{n}.", ar.reduce_scatter) for n, ar in c.replicas.items()]
+        for key, rs in saved:
+            s = _gradients_state(p + key, state)
             if s:  # Note: a GradReduceScatter state without "residual" clears the residual
                 rs.load_state_dict(s)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import CommStats, GradReduceScatter, Topology, TopologyError, WeightGather
+from ..comm import CommStats, GradAllReduce, GradReduceScatter, Topology, TopologyError, WeightGather
 from ..config import Config
 
 try:  # FSDP2's comm interfaces (private module; the public methods take instances of these)
@@ -30,6 +30,7 @@ __all__ = [
     "ModuleComms",
     "SdpqAllGather",
     "SdpqReduceScatter",
+    "SdpqAllReduceHook",
     "Applied",
     "applied",
 ]
@@ -60,6 +61,8 @@ class ModuleComms:
     gradients: dict = field(default_factory=dict, repr=False)  # reduce-scatter numel -> GradReduceScatter
     gather_input_numel: int = 0
     grad_numel: int = 0  # reduce-scatter numel when every trainable parameter has a gradient
+    replicate: Topology | None = field(default=None, repr=False)  # HSDP: the replicate group
+    replicas: dict = field(default_factory=dict, repr=False)  # all-reduce numel -> GradAllReduce
     _saved: tuple = field(default=(), repr=False)  # FSDP's own comms, restored by remove()
     _versions: tuple | None = field(default=None, repr=False)
     _warned: bool = field(default=False, repr=False)
@@ -77,6 +80,22 @@ class ModuleComms:
             )
             self.gradients[numel] = rs
         return rs
+
+    def replicate_comm(self, numel: int) -> GradAllReduce:
+        ar = self.replicas.get(numel)
+        if ar is None:
+            if self.replicate is None:
+                raise RuntimeError(f"sdpq ({self.fqn or '<root>'}): no replicate group was given to apply()")
+            ar = GradAllReduce(
+                numel,
+                self.replicate,
+                self.config.gradients,
+                device=self.param_group.device,
+                stats=self.config.stats,
+                record_to=self.stats,
+            )
+            self.replicas[numel] = ar
+        return ar
 
     def check_group(self, group) -> None:
         if group is self.topology.world_group:
@@ -154,6 +173,18 @@ class SdpqReduceScatter(ReduceScatter):
         elif op != dist.ReduceOp.SUM:
             raise RuntimeError(f"sdpq ({c.fqn or '<root>'}): reduce op {op} is not supported (SUM/AVG only)")
         return None
+
+
+class SdpqAllReduceHook:
+    """FSDP's all-reduce hook of one module (1-D FSDP on the shard group of an HSDP layout): the
+    reduce-scatter output, summed across the replicate group by a GradAllReduce per size. FSDP
+    divides by the gradient divide factor afterwards (apply sets it to shard x replicate size)."""
+
+    def __init__(self, comms: ModuleComms):
+        self.comms = comms
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.comms.replicate_comm(reduce_output.numel()).all_reduce(reduce_output)
 
 
 # ----------------------------------------------------------------------------- per-model state

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
@@ -64,6 +65,7 @@ from ._fsdp_hooks import (
     Applied,
     ModuleComms,
     SdpqAllGather,
+    SdpqAllReduceHook,
     SdpqReduceScatter,
     StaleWeightsWarning,
     applied,
@@ -169,6 +171,41 @@ def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return modules
 
 
+def _replicate_group(replicate, groups: list) -> Any:
+    """The process group of `replicate` (a ProcessGroup or a 1-D DeviceMesh), checked against the
+    FSDP modules: 1-D FSDP on a group that meets it in this rank only."""
+    if replicate is None:
+        return None
+    group = replicate.get_group() if isinstance(replicate, DeviceMesh) else replicate
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"sdpq.fsdp.apply: replicate must be a ProcessGroup or a 1-D DeviceMesh, got {type(replicate)}")
+    ranks = set(dist.get_process_group_ranks(group))
+    for name, _, pg in groups:
+        if pg._is_hsdp:
+            raise ValueError(
+                f"sdpq.fsdp.apply: FSDP module {name or '<root>'} is sharded on a 2-D mesh (native HSDP), whose "
+                "replicate all-reduce FSDP2 does itself; for sdpq's quantized one shard on the shard dimension "
+                "only, fully_shard(module, mesh=mesh['shard']), and pass replicate=mesh['replicate']"
+            )
+        shard = set(dist.get_process_group_ranks(pg.mesh_info.shard_process_group))
+        if shard & ranks != {dist.get_rank()}:
+            raise ValueError(
+                f"sdpq.fsdp.apply: the replicate group {sorted(ranks)} and the shard group {sorted(shard)} of FSDP "
+                f"module {name or '<root>'} must meet in this rank only (they are two dimensions of one mesh)"
+            )
+    return group
+
+
+def _broadcast_replicas(comms_list: list[ModuleComms], group) -> None:
+    """Start every replica from the first replica's shards (as DDP does): the replicate
+    all-reduce keeps them equal only if they start equal."""
+    src = dist.get_process_group_ranks(group)[0]
+    with torch.no_grad():
+        for c in comms_list:
+            for fp in c.param_group.fsdp_params:
+                dist.broadcast(fp.sharded_param.to_local(), src=src, group=group)
+
+
 def _module_comms(name: str, module: nn.Module, pg, topo: Topology, cfg: Config, stats: CommStats) -> ModuleComms:
     """The weight gather and gradient reduce-scatter of one FSDP module's parameter group."""
     params = pg.fsdp_params
@@ -190,7 +227,13 @@ def _module_comms(name: str, module: nn.Module, pg, topo: Topology, cfg: Config,
     )
     if grad_in:
         comms.gradient_comm(grad_in * N)
-    comms._saved = (pg._all_gather_comm, pg._reduce_scatter_comm, pg.force_sum_reduction_for_comms)
+    comms._saved = (
+        pg._all_gather_comm,
+        pg._reduce_scatter_comm,
+        pg.force_sum_reduction_for_comms,
+        pg._all_reduce_hook,
+        pg.gradient_divide_factor,
+    )
     return comms
 
 
@@ -217,10 +260,16 @@ def _hook_step(opt: torch.optim.Optimizer, marked: list[ModuleComms]):
     return opt.register_step_post_hook(_after_step)
 
 
-def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, optimizer=None) -> nn.Module:
+def apply(
+    model: nn.Module, config: Config | Mapping[str, Any] | None = None, optimizer=None, *, replicate=None
+) -> nn.Module:
     """Install sdpq's weight all-gather and gradient reduce-scatter on every FSDP module of
     `model` (after `fully_shard`; collective: call it on every rank alike). `optimizer` (one or a
     list): its steps mark the weights changed. Returns `model`.
+
+    HSDP: shard with `fully_shard(module, mesh=mesh["shard"])` and pass `replicate=mesh["replicate"]`
+    (a 1-D DeviceMesh or a ProcessGroup): sdpq then sums the gradients across the replicate group
+    with its quantized all-reduce (FSDP's all-reduce hook) and makes the replicas start equal.
 
     Errors: TypeError if no module of `model` is sharded with fully_shard; RuntimeError if sdpq is
     already applied (call remove() first); sdpq.comm.TopologyError if config.topology does not fit
@@ -237,6 +286,8 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
     # Note: the whole resolved config, not only what shapes the wire: a rank with other optimizer
     # settings would update its shards differently without any error.
     check_agreement("sdpq.fsdp.apply", {"config": cfg.to_dict(), "layout": world.layout}, world.world_group)
+    rep_group = _replicate_group(replicate, groups)
+    rep_topo = None if rep_group is None else Topology.for_group(rep_group, world)
     stats = CommStats(config=cfg.stats, parent=process_stats())  # this model's own counters
     # One Topology per distinct shard group; built in model order, the same on every rank.
     topologies: dict[int, Topology] = {}
@@ -246,7 +297,12 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
         key = id(mi.shard_process_group)
         if key not in topologies:
             topologies[key] = Topology.for_group(mi.shard_process_group, world)
-        comms_list.append(_module_comms(name, module, pg, topologies[key], cfg, stats))
+        comms = _module_comms(name, module, pg, topologies[key], cfg, stats)
+        if rep_topo is not None:
+            comms.replicate = rep_topo
+            if comms.grad_numel:
+                comms.replicate_comm(comms.grad_numel // comms.topology.world_size)
+        comms_list.append(comms)
     marked_by_opt = _marked_by(opts, comms_list)
     # Note: nothing is installed before every check has passed.
     for comms in comms_list:
@@ -254,7 +310,12 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None, op
         m.set_custom_all_gather(SdpqAllGather(comms))
         m.set_custom_reduce_scatter(SdpqReduceScatter(comms))
         m.set_force_sum_reduction_for_comms(True)
+        if rep_topo is not None:
+            m.set_all_reduce_hook(SdpqAllReduceHook(comms))
+            m.set_gradient_divide_factor(float(comms.topology.world_size * rep_topo.world_size))
         setattr(m, MODULE_ATTR, comms)
+    if rep_group is not None:
+        _broadcast_replicas(comms_list, rep_group)
     hooks = [_hook_step(opt, marked) for opt, marked in zip(opts, marked_by_opt)]
     setattr(model, ROOT_ATTR, Applied(config=cfg, comms=comms_list, hooks=hooks, stats=stats))
     return model
@@ -267,10 +328,13 @@ def remove(model: nn.Module) -> None:
     for h in state.hooks:
         h.remove()
     for c in state.comms:
-        ag, rs, force_sum = c._saved
+        ag, rs, force_sum, all_reduce_hook, divide_factor = c._saved
         c.module.set_custom_all_gather(ag)  # FSDP's own comm objects, saved by apply
         c.module.set_custom_reduce_scatter(rs)
         c.module.set_force_sum_reduction_for_comms(force_sum)
+        if c.replicate is not None:
+            c.module.set_all_reduce_hook(all_reduce_hook)  # None (no hook) unless the user had one
+            c.module.set_gradient_divide_factor(divide_factor)
         delattr(c.module, MODULE_ATTR)
     delattr(model, ROOT_ATTR)
 

@@ -308,6 +308,7 @@ def train(
     spec: RunSpec,
     *,
     mesh=None,
+    replicate=None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     freeze: Iterable[str] = (),
@@ -317,8 +318,10 @@ def train(
 ) -> RunResult:
     """Run `spec` with FSDP2 on the initialised default process group (every rank calls it).
 
-    mesh: a DeviceMesh for fully_shard (2-D = HSDP); mp_policy: FSDP2 mixed precision (default:
-    the one spec.mixed_precision names, see mp_policy_for; giving both is an error);
+    mesh: a DeviceMesh for fully_shard (2-D = FSDP2's native HSDP); replicate: with a 1-D shard
+    mesh, the replicate group sdpq all-reduces across (sdpq.fsdp.apply's HSDP); mp_policy: FSDP2
+    mixed precision (default: the one spec.mixed_precision names, see mp_policy_for; giving both is
+    an error);
     freeze: parameter-name prefixes to freeze; per_block: see build_model; checks: record in
     `extra` a digest of the weights every FSDP module's forward used (per step) and of every
     weight reference at the end.
@@ -344,7 +347,9 @@ def train(
     opt, opt_name = build_optimizer(spec, model, cfg)
     comm_stats.reset()
     if cfg is not None:
-        sdpq_fsdp.apply(model, cfg, optimizer=opt)
+        sdpq_fsdp.apply(model, cfg, optimizer=opt, replicate=replicate)
+    elif replicate is not None:
+        raise ValueError("fsdp_backend.train: replicate needs an sdpq block (plain HSDP: a 2-D mesh)")
     start = _resume(spec, model, opt)
     steps = _run_steps(spec, model, opt, data, start, checks)
     val = validation_loss(model, data, spec, rank, world)
