@@ -23,14 +23,12 @@ after every `opt.step()`; `mark_weights_changed(model)` does it for edits by han
 load without sdpq's state. A gather that finds the shards modified in place without either
 warns (`StaleWeightsWarning`): the gathered weights are then the previous version.
 
-HSDP (2-D mesh (replicate, shard)): FSDP2 hands the custom comms the SHARD group only; the
-replicate-dim gradient all-reduce is FSDP2's own `dist.all_reduce` with no hook to replace it (the
-all-reduce hook runs after it), so it stays full precision. sdpq runs its collectives on the shard
-group seen as its own nodes' x L' grid of the physical layout: with the usual layout (shard inside
-a node) nodes' = 1, so the weight reference is the exact shard (no slow link to save: weights
-travel exactly, or int8 in "direct" mode) and gradients take only the 8-bit intra-node stage;
-with a shard dim across nodes L' = 1 and the 4-bit inter-node stages apply. The byte statistics
-count what sdpq sends; the replicate all-reduce is not in them.
+HSDP: 1-D `fully_shard` on the shard dim and `apply(..., replicate=mesh["replicate"])`: sdpq sums
+the reduce-scatter output across the replicate group itself (FSDP2's all-reduce hook, a
+`sdpq.comm.GradAllReduce`, bitwise equal on every replica) and FSDP2 divides by shard x replicate
+size. FSDP2's native 2-D HSDP all-reduces in full precision before any hook (without `replicate`
+it keeps working, unquantized); see docs/fsdp.md. Any shard group (FSDP x TP sub-meshes too)
+gets its node layout from `Topology.for_group`.
 
 Checkpoints (torch.distributed.checkpoint): put `state_dict(model)` next to the model and
 optimizer state; to load, build the template with `state_dict(model, checkpoint_id=path)` and
@@ -206,8 +204,23 @@ def _broadcast_replicas(comms_list: list[ModuleComms], group) -> None:
                 dist.broadcast(fp.sharded_param.to_local(), src=src, group=group)
 
 
-def _module_comms(name: str, module: nn.Module, pg, topo: Topology, cfg: Config, stats: CommStats) -> ModuleComms:
-    """The weight gather and gradient reduce-scatter of one FSDP module's parameter group."""
+def _install(comms: ModuleComms) -> None:
+    """Point one FSDP module's collectives at sdpq's (FSDP2's public setters)."""
+    m = comms.module
+    m.set_custom_all_gather(SdpqAllGather(comms))
+    m.set_custom_reduce_scatter(SdpqReduceScatter(comms))
+    m.set_force_sum_reduction_for_comms(True)
+    if comms.replicate is not None:
+        m.set_all_reduce_hook(SdpqAllReduceHook(comms))
+        m.set_gradient_divide_factor(float(comms.topology.world_size * comms.replicate.world_size))
+    setattr(m, MODULE_ATTR, comms)
+
+
+def _module_comms(
+    name: str, module: nn.Module, pg, topo: Topology, cfg: Config, stats: CommStats, replicate: Topology | None
+) -> ModuleComms:
+    """The weight gather and gradient reduce-scatter (and, with HSDP, the replicate all-reduce) of
+    one FSDP module's parameter group."""
     params = pg.fsdp_params
     gather_in = sum(fp.padded_sharded_param_size.numel() for fp in params)
     grad_in = sum(fp.padded_sharded_param_size.numel() for fp in params if fp.sharded_param.requires_grad)
@@ -224,9 +237,12 @@ def _module_comms(name: str, module: nn.Module, pg, topo: Topology, cfg: Config,
         stats=stats,
         gather_input_numel=gather_in,
         grad_numel=grad_in * N,
+        replicate=replicate,
     )
     if grad_in:
         comms.gradient_comm(grad_in * N)
+        if replicate is not None:
+            comms.replicate_comm(grad_in)  # the reduce-scatter output this rank all-reduces
     comms._saved = (
         pg._all_gather_comm,
         pg._reduce_scatter_comm,
@@ -297,23 +313,11 @@ def apply(
         key = id(mi.shard_process_group)
         if key not in topologies:
             topologies[key] = Topology.for_group(mi.shard_process_group, world)
-        comms = _module_comms(name, module, pg, topologies[key], cfg, stats)
-        if rep_topo is not None:
-            comms.replicate = rep_topo
-            if comms.grad_numel:
-                comms.replicate_comm(comms.grad_numel // comms.topology.world_size)
-        comms_list.append(comms)
+        comms_list.append(_module_comms(name, module, pg, topologies[key], cfg, stats, rep_topo))
     marked_by_opt = _marked_by(opts, comms_list)
     # Note: nothing is installed before every check has passed.
     for comms in comms_list:
-        m = comms.module
-        m.set_custom_all_gather(SdpqAllGather(comms))
-        m.set_custom_reduce_scatter(SdpqReduceScatter(comms))
-        m.set_force_sum_reduction_for_comms(True)
-        if rep_topo is not None:
-            m.set_all_reduce_hook(SdpqAllReduceHook(comms))
-            m.set_gradient_divide_factor(float(comms.topology.world_size * rep_topo.world_size))
-        setattr(m, MODULE_ATTR, comms)
+        _install(comms)
     if rep_group is not None:
         _broadcast_replicas(comms_list, rep_group)
     hooks = [_hook_step(opt, marked) for opt, marked in zip(opts, marked_by_opt)]

@@ -42,21 +42,9 @@ __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
 
 
 @triton.jit
-def _store_groups(
-    vg,
-    row_ptr,
-    code_bytes,
-    groups,
-    gmask,
-    offs,
-    seed,
-    flag_ptr,
-    G: tl.constexpr,
-    BITS: tl.constexpr,
-    QMAX: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    SCALE_BF16: tl.constexpr,
-):
+def _store_groups(vg, row_ptr, code_bytes, groups, gmask, offs, seed, flag_ptr,
+                  G: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+                  SCALE_BF16: tl.constexpr):  # fmt: skip
     """Quantize the [groups, G] values vg into a wire row (codes, then scales) and count the
     groups that held inf/NaN into flag_ptr. offs: each element's position in the random stream."""
     s, finite = group_scales(vg, QMAX, SCALE_BF16)
