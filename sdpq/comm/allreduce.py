@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import GradientsConfig, StatsConfig
-from ..quant.fused import decode_rows, encode_rows
-from ..quant.hadamard import inverse_hadamard
+from ..quant.fused import decode_rows, decode_rows_inverse_hadamard, encode_rows
 from . import timing
 from ._exchange import all_gather_rows
 from .grads import GradReduceScatter
@@ -127,10 +126,11 @@ class GradAllReduce:
             if work is not None:
                 work.wait()
         with timing.span("grads.decode"):
-            vals = torch.empty((rows.shape[0], C), dtype=torch.float32, device=chunk.device)
-            decode_rows(rows, spec, C, vals)
             if self.hadamard is not None:
-                vals = inverse_hadamard(vals, *self.hadamard)
+                vals = decode_rows_inverse_hadamard(rows, spec, C, self.hadamard)
+            else:
+                vals = torch.empty((rows.shape[0], C), dtype=torch.float32, device=chunk.device)
+                decode_rows(rows, spec, C, vals)
         self._record_gather(itemsize)
         return vals[:, :cn].reshape(-1)
 

@@ -193,3 +193,19 @@ def test_missing_compiler_warns_once_and_falls_back(tmp_path):
         print("ok")
     """, SDPQ_CACHE=str(tmp_path), CXX="/nonexistent/c++")
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 128), QuantSpec(8, 64, scale_dtype=torch.bfloat16)], ids=str)
+def test_decode_rows_inverse_hadamard_is_decode_then_inverse(spec):
+    """The fused decode + inverse transform (reduce_rows of each row and a zero row) gives the two
+    passes' bits: the reference decoding and sdpq.quant.hadamard.inverse_hadamard."""
+    from sdpq.quant.fused import decode_rows_inverse_hadamard
+    from sdpq.quant.hadamard import inverse_hadamard
+
+    numel, had = 4096, (64, 9)
+    x = torch.randn(3, numel, generator=torch.Generator().manual_seed(2))
+    x[1, :200] = 0  # zero groups: -0.0 / +0.0 must not matter
+    wire = _encode_rows_ref(x, spec, None, 1, had, None, None)[0]
+    want = inverse_hadamard(dequantize(unpack(wire, spec, numel)), *had)
+    got = decode_rows_inverse_hadamard(wire, spec, numel, had)
+    assert torch.equal(got, want)
