@@ -41,7 +41,8 @@ def print_table(records: Sequence[dict], title: str, columns: Sequence[str] | No
     if not records:
         print(f"{title}: no records")
         return
-    columns = list(columns or records[0].keys())
+    # The given columns that these records have; else every key but the long "assumptions" text.
+    columns = [c for c in columns or () if c in records[0]] or [c for c in records[0] if c != "assumptions"]
     table = Table(title=title)
     for c in columns:
         table.add_column(c, justify="right" if isinstance(records[0].get(c), (int, float)) else "left")

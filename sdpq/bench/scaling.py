@@ -1,157 +1,127 @@
-"""``sdpq bench scaling``: a communication/computation time model of one training step.
+"""``sdpq bench scaling``: the step-time model of ``sdpq.bench.scaling_model`` next to every
+published cell it can be checked against, and its extrapolation to larger jobs.
 
-Predicts TFLOP/s per GPU of ZeRO-3-style sharded data parallelism, baseline vs sdpq, for GPT
-1.3B-18B on two published clusters, next to SDP4Bit's published figure where we have it.
-
-Model of one optimizer step (per GPU, no overlap of communication and compute, as a bound):
-- compute: FLOPs / (peak x mfu), FLOPs = 6 P tokens + attention (Megatron's formula);
-- per micro-batch the sharded weights are all-gathered twice (forward, backward) and the
-  gradients reduce-scattered once (ZeRO-3 / FSDP semantics with gradient accumulation);
-- a collective over D data-parallel ranks, L of them per node, moves (D - L)/D of its bytes
-  across nodes; the node's inter-node link is shared by all its GPUs (TP peers included);
-  intra-node bytes move at NVLink speed;
-- baseline: 16-bit weights and gradients on every collective;
-- sdpq: inter-node weight bytes only once per step as 4-bit differences (+ scales), gathers
-  inside the node from the node-resident reference; gradients 8-bit intra, 4-bit inter;
-  quantization passes over the data at ``quant_efficiency`` x HBM bandwidth.
-
-Calibration: ``--mfu`` is the compute efficiency without communication, ``--quant-efficiency``
-the fused kernels' fraction of copy bandwidth (issue-8 target 0.7; on a GPU machine pass the
-``vs_copy`` that ``sdpq bench quant`` measured). Every assumption is printed with the result.
+Default: per cluster of SDP4Bit's Table 2, the two constants fitted on the 1.3B and 6.7B rows
+(``mfu``, ``link_efficiency``), then every row: published baseline and SDP4Bit TFLOP/s per GPU,
+the model's prediction and its error ("fit" marks the cells the constants were fitted on), and
+the model's sdpq column (no published figure). ``--extrapolate``: sdpq vs the baseline, ZeRO++
+and SDP4Bit for 7B and 70B at 64 / 256 / 1024 GPUs on 100 and 400 Gbit/s links, with the
+assumptions in every record.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-from ..quant import QuantSpec
+from .scaling_model import (
+    A100,
+    FIT_ON,
+    GPT,
+    H800,
+    MODELS,
+    PUBLISHED,
+    Cluster,
+    Constants,
+    Layout,
+    fit,
+    step_seconds,
+    tflops,
+)
 
 COLUMNS = [
     "cluster",
     "model",
+    "layout",
+    "published_baseline",
+    "baseline",
+    "baseline_error",
+    "published_sdp4bit",
+    "sdp4bit",
+    "sdp4bit_error",
+    "sdpq",
+    "cell",
+    "published_saved_ns_per_param",
+    # --extrapolate
     "baseline_tflops",
     "sdpq_tflops",
-    "speedup",
-    "published_baseline",
-    "published_sdp4bit",
-    "published_speedup",
-    "comm_share_baseline",
+    "sdpq_vs_baseline",
+    "sdpq_vs_zeropp",
+    "sdpq_vs_sdp4bit",
 ]
-
-
-@dataclass(frozen=True)
-class Cluster:
-    name: str
-    nodes: int
-    gpus_per_node: int
-    inter_gbit: float  # per node, each direction
-    nvlink_gbyte: float  # per GPU, intra-node
-    peak_tflops: float  # bf16 dense
-    hbm_gbyte: float
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    layers: int
-    hidden: int
-    tp: int
-    pp: int
-    seq: int
-    micro_batch: int
-    vocab: int = 50257
-
-    @property
-    def params(self) -> float:
-        return 12 * self.layers * self.hidden**2 + (self.vocab + self.seq) * self.hidden
-
-    def flops_per_sequence(self) -> float:
-        # Megatron-LM (Narayanan et al. 2021) without recomputation: 72 -> fwd+bwd = 3x fwd.
-        L, h, s, V = self.layers, self.hidden, self.seq, self.vocab
-        return 72 * s * L * h**2 * (1 + s / (6 * h) + V / (12 * h * L))
-
-
-CLUSTERS = [
-    Cluster("16x4 A100, 100 Gbit/s", 16, 4, 100, 300, 312, 1555),
-    Cluster("16x8 H800, 3.2 Tbit/s", 16, 8, 3200, 200, 989, 3350),
-]
-# Shapes of the GPT family SDP4Bit evaluates; TP/PP/micro-batch as in their 32-GPU runs.
-MODELS = [
-    Model("1.3B", 24, 2048, 4, 1, 4096, 4),
-    Model("2.7B", 32, 2560, 4, 1, 4096, 4),
-    Model("6.7B", 32, 4096, 4, 1, 4096, 1),
-    Model("13B", 40, 5120, 4, 2, 4096, 1),
-    Model("18B", 40, 6144, 4, 2, 2048, 1),
-]
-# SDP4Bit (NeurIPS 2024) Table 2, TFLOP/s per GPU (baseline, SDP4Bit). Only the entry quoted in
-# our issue tracker is filled in; the rest of the table was not available when this was written.
-PUBLISHED = {("16x4 A100, 100 Gbit/s", "6.7B"): (10.8, 37.1)}
-
-
-def step_seconds(
-    c: Cluster, m: Model, grad_accum: int, mfu: float, quant_eff: float, sdpq: bool
-) -> tuple[float, float]:
-    """(total, communication) seconds of one optimizer step on one GPU."""
-    gpus = c.nodes * c.gpus_per_node
-    dp = gpus // (m.tp * m.pp)
-    dp_per_node = max(1, c.gpus_per_node // (m.tp * m.pp)) if m.tp * m.pp <= c.gpus_per_node else 1
-    n = m.params / (m.tp * m.pp)  # elements this GPU's DP group shards
-    compute = grad_accum * m.micro_batch * m.flops_per_sequence() / (m.tp * m.pp) / (c.peak_tflops * 1e12 * mfu)
-    inter_bw = c.inter_gbit / 8 * 1e9 / c.gpus_per_node  # bytes/s per GPU
-    intra_bw = c.nvlink_gbyte * 1e9
-    cross = (dp - dp_per_node) / dp  # share of a collective's bytes leaving the node
-    local = (dp_per_node - 1) / dp
-
-    def move(elements: float, inter_bits: float, intra_bits: float) -> float:
-        return elements * (cross * inter_bits / 8 / inter_bw + local * intra_bits / 8 / intra_bw)
-
-    if not sdpq:
-        comm = grad_accum * (2 * move(n, 16, 16) + move(n, 16, 16))
-        return compute + comm, comm
-    w_bits = QuantSpec(bits=4, group_size=2048).wire_bits_per_element(1 << 20)
-    g_inter = QuantSpec(bits=4, group_size=128).wire_bits_per_element(1 << 20)
-    g_intra = QuantSpec(bits=8, group_size=128).wire_bits_per_element(1 << 20)
-    weights = move(n, w_bits, 0) + grad_accum * 2 * n * (dp_per_node - 1) / dp * 2 / intra_bw
-    grads = grad_accum * move(n, g_inter, g_intra)
-    # Quantization passes: read fp32/bf16 + write codes, ~3 passes per collective element.
-    quant = (1 + grad_accum) * 3 * n * 4 / (c.hbm_gbyte * 1e9 * quant_eff)
-    comm = weights + grads + quant
-    return compute + comm, comm
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grad-accum", type=int, default=32, help="micro-batches per optimizer step")
-    p.add_argument("--mfu", type=float, default=0.45, help="compute efficiency without communication")
+    p.add_argument("--extrapolate", action="store_true", help="7B / 70B at 64-1024 GPUs instead of the published table")
+    p.add_argument("--mfu", type=float, default=0.4, help="--extrapolate: compute efficiency (assumed)")
+    p.add_argument("--link-efficiency", type=float, default=0.7, help="--extrapolate: share of the nominal link")
     p.add_argument(
-        "--quant-efficiency",
-        type=float,
-        default=0.7,
-        help="quantization kernels' fraction of HBM copy bandwidth (measure with sdpq bench quant on a GPU)",
+        "--kernel-efficiency", type=float, default=0.7, help="quantization kernels' share of HBM bandwidth (assumed)"
     )
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def published_table(kernel_efficiency: float = 0.7) -> list[dict]:
     records = []
-    for c in CLUSTERS:
-        for m in MODELS:
-            flops = args.grad_accum * m.micro_batch * m.flops_per_sequence() / (m.tp * m.pp)
-            tb, cb = step_seconds(c, m, args.grad_accum, args.mfu, args.quant_efficiency, sdpq=False)
-            ts, _ = step_seconds(c, m, args.grad_accum, args.mfu, args.quant_efficiency, sdpq=True)
-            pub = PUBLISHED.get((c.name, m.name))
+    for c in (A100, H800):
+        k = fit(c, base=Constants(mfu=0.5, link_efficiency=1.0, kernel_efficiency=kernel_efficiency))
+        for name, m in MODELS.items():
+            b, q, lay = PUBLISHED[(c.name, name)]
+            pb, pq, ps = (tflops(c, m, lay, s, k) for s in ("baseline", "sdp4bit", "sdpq"))
             records.append(
                 dict(
                     cluster=c.name,
-                    model=m.name,
-                    baseline_tflops=flops / tb / 1e12,
-                    sdpq_tflops=flops / ts / 1e12,
-                    speedup=tb / ts,
-                    published_baseline=pub[0] if pub else "n/a",
-                    published_sdp4bit=pub[1] if pub else "n/a",
-                    published_speedup=pub[1] / pub[0] if pub else "n/a",
-                    comm_share_baseline=cb / tb,
-                    assumptions=f"grad_accum={args.grad_accum} mfu={args.mfu} quant_eff={args.quant_efficiency} "
-                    f"tp={m.tp} pp={m.pp} seq={m.seq} mb={m.micro_batch}",
+                    model=name,
+                    layout=f"TP{lay.tp} PP{lay.pp}",
+                    published_baseline=b,
+                    baseline=pb,
+                    baseline_error=pb / b - 1,
+                    published_sdp4bit=q,
+                    sdp4bit=pq,
+                    sdp4bit_error=pq / q - 1,
+                    sdpq=ps,
+                    cell="fit" if name in FIT_ON else "predicted",
+                    # seconds SDP4Bit saved per step, per parameter (ns), from the published figures
+                    # alone: a bytes / bandwidth model predicts the same for every size on a cluster
+                    published_saved_ns_per_param=m.flops(lay.global_batch)
+                    / c.gpus
+                    * (1 / b - 1 / q)
+                    / 1e12
+                    / m.params
+                    * 1e9,
+                    assumptions=f"mfu={k.mfu} link_efficiency={k.link_efficiency} (fitted on {', '.join(FIT_ON)}); "
+                    f"weight_gathers={k.weight_gathers} kernel_passes={k.kernel_passes} "
+                    f"kernel_efficiency={k.kernel_efficiency}; global batch {lay.global_batch}, seq {m.seq}",
                 )
             )
     return records
+
+
+def extrapolation(args: argparse.Namespace) -> list[dict]:
+    k = Constants(mfu=args.mfu, link_efficiency=args.link_efficiency, kernel_efficiency=args.kernel_efficiency)
+    models = {"7B": (GPT("7B", 32, 4096, seq=4096), Layout(global_batch=1024)),
+              "70B": (GPT("70B", 80, 8192, seq=4096), Layout(tp=8, global_batch=1024))}  # fmt: skip
+    records = []
+    for gbit in (100, 400):
+        for gpus in (64, 256, 1024):
+            c = Cluster(f"{gpus // 8}x8 H100, {gbit} Gbit/s", gpus // 8, 8, gbit, 450, 989, 3350)
+            for name, (m, lay) in models.items():
+                t = {s: step_seconds(c, m, lay, s, k)["total"] for s in ("baseline", "zeropp", "sdp4bit", "sdpq")}
+                records.append(
+                    dict(
+                        cluster=c.name,
+                        model=name,
+                        layout=f"TP{lay.tp} PP{lay.pp}",
+                        baseline_tflops=tflops(c, m, lay, "baseline", k),
+                        sdpq_tflops=tflops(c, m, lay, "sdpq", k),
+                        sdpq_vs_baseline=t["baseline"] / t["sdpq"],
+                        sdpq_vs_zeropp=t["zeropp"] / t["sdpq"],
+                        sdpq_vs_sdp4bit=t["sdp4bit"] / t["sdpq"],
+                        assumptions=f"mfu={k.mfu} link_efficiency={k.link_efficiency} (assumed, not fitted); "
+                        f"kernel_efficiency={k.kernel_efficiency}; global batch {lay.global_batch} x {m.seq} tokens; "
+                        "no overlap of communication with compute",
+                    )
+                )
+    return records
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    return extrapolation(args) if args.extrapolate else published_table(args.kernel_efficiency)
