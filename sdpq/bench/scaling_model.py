@@ -37,9 +37,21 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ..config import Config
 from ..quant import QuantSpec
 
-__all__ = ["Cluster", "GPT", "Layout", "Constants", "PUBLISHED", "step_seconds", "tflops", "fit", "wire_bits"]
+__all__ = [
+    "Cluster",
+    "GPT",
+    "Layout",
+    "Constants",
+    "PUBLISHED",
+    "step_seconds",
+    "tflops",
+    "fit",
+    "wire_bits",
+    "fsdp_cross_node_bytes",
+]
 
 Scheme = Literal["baseline", "sdp4bit", "sdpq", "zeropp"]
 
@@ -213,3 +225,45 @@ def fit(c: Cluster, fit_on: tuple[str, ...] = FIT_ON, base: Constants | None = N
             v = loss(i / 100, j / 100)
             best = min(best, (v, i / 100, j / 100))
     return replace(base, mfu=best[1], link_efficiency=best[2])
+
+
+# ----------------------------------------------------------------------------- one FSDP2 job, exactly
+
+
+def fsdp_cross_node_bytes(
+    modules: list[tuple[list[tuple[int, ...]], int]],
+    world: int,
+    per_node: int,
+    sdpq: Config | None,
+    *,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+) -> dict[str, int]:
+    """Bytes a steady-state step of an FSDP2 job sends across nodes, summed over ranks, per path
+    ("weights": all-gathers, "gradients": reduce-scatters / all-to-alls), counted as the
+    process-group meter counts them (a rank sends a collective's share to each other member).
+
+    `modules`: per FSDP module, its parameters' shapes and how often a step gathers it (2 with
+    reshard_after_forward: forward and backward; 1 without). FSDP2 pads dim 0 to a multiple of
+    the world size. sdpq (weights "diff", gradients "two_level"): one refresh of
+    the node reference per module (4-bit differences to the other nodes) and the inter-node
+    all-to-all of the two-level reduce-scatter, cut as `chunk_layout` cuts it.
+    """
+    from ..comm.grads import chunk_layout
+    from ..quant.groupwise import SCALE_DTYPES
+
+    N, L = world, per_node
+    nodes, out = N // L, {"weights": 0, "gradients": 0}
+    for shapes, gathers in modules:
+        shard = sum(-(-s[0] // N) * math.prod(s[1:]) for s in shapes)
+        if sdpq is None:
+            out["weights"] += N * gathers * shard * param_bytes * (N - L)
+            out["gradients"] += N * shard * reduce_bytes * (N - L)
+            continue
+        w, g = sdpq.weights, sdpq.gradients
+        wspec = QuantSpec(bits=w.bits, group_size=w.group_size, scale_dtype=SCALE_DTYPES[w.scale_dtype])
+        out["weights"] += N * (nodes - 1) * wspec.wire_bytes(shard)
+        lay = chunk_layout(N * shard, N, L, g)
+        gspec = QuantSpec(bits=g.inter_bits, group_size=g.inter_group_size, scale_dtype=SCALE_DTYPES[g.scale_dtype])
+        out["gradients"] += N * (nodes - 1) * lay.slices * gspec.wire_bytes(lay.padded_chunk // lay.slices)
+    return out

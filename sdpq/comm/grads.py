@@ -41,7 +41,7 @@ from .agreement import check_agreement
 from .stats import CommStats, Recorder
 from .topology import Topology
 
-__all__ = ["GradReduceScatter"]
+__all__ = ["GradReduceScatter", "ChunkLayout", "chunk_layout"]
 
 _NAN = float("nan")
 
@@ -77,6 +77,31 @@ class _NodePartial(NamedTuple):
     bad: Any
 
 
+class ChunkLayout(NamedTuple):
+    chunk_numel: int  # ceil(numel / N): the elements each rank gets
+    padded_chunk: int  # the chunk on the wire: whole groups, Hadamard blocks and pipeline slices
+    slices: int
+    hadamard_block: int  # 1 without Hadamard
+
+
+def chunk_layout(numel: int, world_size: int, ranks_per_node: int, c: GradientsConfig) -> ChunkLayout:
+    """How a bucket of `numel` elements is cut on `world_size` ranks (ranks_per_node per node):
+    what GradReduceScatter sends, as a pure function (the scaling model counts bytes with it)."""
+    N, L = world_size, ranks_per_node
+    cn = -(-numel // N)
+    groups = max(c.intra_group_size if L > 1 else 1, c.inter_group_size if N // L > 1 else 1)
+    # Note: a Hadamard block larger than the chunk would pad every chunk up to the block (a
+    # 65536 block on 1024-element chunks sends ~64x the bytes); it is clamped to the chunk
+    # rounded up to a power of two (never below the groups). Every rank derives the same block.
+    block = min(c.hadamard_block, max(groups, 1 << max(0, cn - 1).bit_length())) if c.hadamard else 1
+    align = max(groups, block)
+    # Fewer slices for small buckets: each slice must hold at least one aligned block.
+    slices = max(1, min(c.pipeline_chunks, -(-cn // align)))
+    step = align * slices
+    padded = -(-cn // step) * step if c.mode == "two_level" else cn
+    return ChunkLayout(cn, padded, slices, block)
+
+
 class GradReduceScatter:
     """Reduce-scatter (SUM) of one flat bucket. Every rank builds it with the same arguments
     and calls it collectively.
@@ -102,20 +127,11 @@ class GradReduceScatter:
         self.topology = topo = topology
         self.numel = numel
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        N, L, nodes = topo.world_size, topo.ranks_per_node, topo.nodes
-        self.chunk_numel = -(-numel // N)
+        N = topo.world_size
+        lay = chunk_layout(numel, N, topo.ranks_per_node, c)
+        self.chunk_numel, self.padded_chunk, self.slices, self.hadamard_block = lay
         cn = self.chunk_numel
         valid = [max(0, min(cn, numel - r * cn)) for r in range(N)]
-        groups = max(c.intra_group_size if L > 1 else 1, c.inter_group_size if nodes > 1 else 1)
-        # Note: a Hadamard block larger than the chunk would pad every chunk up to the block (a
-        # 65536 block on 1024-element chunks sends ~64x the bytes); it is clamped to the chunk
-        # rounded up to a power of two (never below the groups). Every rank derives the same block.
-        self.hadamard_block = min(c.hadamard_block, max(groups, 1 << max(0, cn - 1).bit_length())) if c.hadamard else 1
-        align = max(groups, self.hadamard_block)
-        # Fewer slices for small buckets: each slice must hold at least one aligned block.
-        self.slices = max(1, min(c.pipeline_chunks, -(-cn // align)))
-        step = align * self.slices
-        self.padded_chunk = -(-cn // step) * step if c.mode == "two_level" else cn
         self.slice_numel = self.padded_chunk // self.slices
         self.intra_spec = QuantSpec(
             bits=c.intra_bits,
