@@ -64,6 +64,7 @@ def worker(job_file: str, out_file: str) -> None:
     if dist.get_rank() == 0:
         Path(out_file).write_text(json.dumps({"link_steps": per_rank, "step_seconds": r.step_seconds,
                                               "losses": r.losses}))
+    dist.barrier()  # every rank done with gloo before any tears it down (else: terminate called ...)
     dist.destroy_process_group()
 
 

@@ -85,6 +85,7 @@ def worker(job_file: str, out_dir: str) -> None:
             (Path(out_dir) / f"{name}.json").write_text(json.dumps(res))
             print(f"{name}: final loss {statistics.fmean(res['losses'][-10:]):.4f}  "
                   f"{res['step_seconds']:.3f} s/step", flush=True)
+    dist.barrier()  # every rank done with gloo before any tears it down (else: terminate called ...)
     dist.destroy_process_group()
 
 
