@@ -87,6 +87,8 @@ class GradAllReduce:
         if x.numel() != self.numel:
             raise ValueError(f"input has {x.numel()} elements; this all-reduce was built for {self.numel}")
         flat = x.view(-1)
+        if self.topology.world_size == 1:
+            return x  # a group of one: the sum is x itself (nothing to send, nothing to round)
         with timing.span("grads.all_reduce"):
             if self.config.mode == "exact":
                 self._exact(flat)
@@ -106,10 +108,14 @@ class GradAllReduce:
         flat.copy_(torch.where(bad, torch.full_like(flat, float("nan")), flat))
         with timing.span("comm.grads"):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        R, item = self.topology.world_size, flat.element_size()
-        elems = 2 * (R - 1) * self.numel // R  # what a ring all-reduce sends per rank
-        link = "inter" if self.topology.nodes > 1 else "intra"
-        self._rec.record("gradients", link, bytes=elems * item, elements=elems, baseline_bytes=elems * item)
+        topo, item = self.topology, flat.element_size()
+        R, L = topo.world_size, topo.ranks_per_node
+        sent = 2 * (R - 1) * self.numel // R  # what a ring all-reduce sends per rank
+        # Split as the peers are: R - L of the R - 1 other members are on other nodes.
+        inter = sent * (R - L) // (R - 1)
+        for link, elems in (("inter", inter), ("intra", sent - inter)):
+            if elems:
+                self._rec.record("gradients", link, bytes=elems * item, elements=elems, baseline_bytes=elems * item)
 
     def _gather(self, chunk: torch.Tensor, itemsize: int) -> torch.Tensor:
         """Quantize this rank's reduced chunk, all-gather, decode every rank's chunk alike:

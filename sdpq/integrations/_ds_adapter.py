@@ -152,6 +152,7 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         for i, (lp, hp) in enumerate(zip(z.fp16_partitioned_groups_flat, z.fp32_partitioned_groups_flat)):
             if lp is None or lp is hp or lp.dtype != hp.dtype or lp.device != hp.device or lp.shape != hp.shape:
                 continue
+            self._undo.append(functools.partial(_unalias, z, i, hp, lp, getattr(lp, "ds_id", None), lp.requires_grad))
             lp.ds_id = hp.ds_id
             lp.requires_grad = True
             z.fp32_partitioned_groups_flat[i] = lp
@@ -308,3 +309,18 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         for p in sorted(self.params.values(), key=lambda p: p.ds_id):
             if p.ds_status == status.AVAILABLE:
                 self._gather_into(p)
+
+
+def _unalias(z, i: int, master, compute, ds_id, requires_grad: bool) -> None:
+    """Undo one aliasing of `_alias_bf16_master`: the separate master partition comes back with
+    the compute partition's values (they were one tensor since) and its optimizer state (DeepSpeed
+    hands the optimizer fp32_partitioned_groups_flat[i] at every step; the state is keyed by it)."""
+    master.data.copy_(compute.data)
+    z.fp32_partitioned_groups_flat[i] = master
+    if compute in z.optimizer.state:
+        z.optimizer.state[master] = z.optimizer.state.pop(compute)
+    if ds_id is None:
+        with_suppress(lambda: delattr(compute, "ds_id"))
+    else:
+        compute.ds_id = ds_id
+    compute.requires_grad = requires_grad

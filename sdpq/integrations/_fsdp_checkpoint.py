@@ -115,7 +115,9 @@ def state_dict(model: nn.Module, *, checkpoint_id: str | os.PathLike | Any | Non
         _save_weights(c.weights, p, out)
         for numel, rs in sorted(c.gradients.items()):
             _save_gradients(rs, p + f"gradients.{numel}.", out)
-        for numel, ar in sorted(c.replicas.items()):  # HSDP: the replicate all-reduce's phase 1
+        if c.replicate is not None:  # HSDP: the replicate all-reduce's phase 1, and its layout
+            out[p + "replicate.layout"] = torch.tensor([c.replicate.world_size, c.replicate.ranks_per_node])
+        for numel, ar in sorted(c.replicas.items()):
             _save_gradients(ar.reduce_scatter, p + f"replicate.{numel}.", out)
     st.relayout_from = None
     if checkpoint_id is not None:
@@ -182,6 +184,13 @@ def load_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None
                 f"numel) = {mine} (saved: {None if layout is None else layout.tolist()}); to resume on another "
                 "layout, build the template with sdpq.fsdp.state_dict(model, checkpoint_id=<the checkpoint>)"
             )
+        if c.replicate is not None:
+            saved_rep, rep = state.get(p + "replicate.layout"), [c.replicate.world_size, c.replicate.ranks_per_node]
+            if saved_rep is None or saved_rep.tolist() != rep:
+                raise ValueError(
+                    f"sdpq.fsdp.load_state_dict: {c.fqn or '<root>'}: the checkpoint's replicate group is "
+                    f"{None if saved_rep is None else saved_rep.tolist()} (ranks, per node), this run's {rep}"
+                )
         c.weights.load_state_dict(_weights_state(c.weights, p, state))
         saved = [(f"gradients.{n}.", rs) for n, rs in c.gradients.items()]
         saved += [(f"replicate.{n}.", ar.reduce_scatter) for n, ar in c.replicas.items()]

@@ -169,34 +169,41 @@ def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return modules
 
 
-def _replicate_group(replicate, groups: list) -> Any:
-    """The process group of `replicate` (a ProcessGroup or a 1-D DeviceMesh), checked against the
-    FSDP modules: 1-D FSDP on a group that meets it in this rank only."""
+def _replicate_group(replicate, groups: list) -> tuple[Any, str | None]:
+    """(the process group of `replicate` (a ProcessGroup or a 1-D DeviceMesh), why this rank
+    cannot use it or None). Checked against the FSDP modules: 1-D FSDP on a group of at least two
+    ranks that meets the replicate group in this rank only. Note: the reason is returned, not
+    raised, so that every rank first agrees on it (a rank raising alone would leave the others
+    waiting in the next collective)."""
     if replicate is None:
-        return None
+        return None, None
     group = replicate.get_group() if isinstance(replicate, DeviceMesh) else replicate
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"sdpq.fsdp.apply: replicate must be a ProcessGroup or a 1-D DeviceMesh, got {type(replicate)}")
+        return None, f"sdpq.fsdp.apply: replicate must be a ProcessGroup or a 1-D DeviceMesh, got {type(replicate)}"
     ranks = set(dist.get_process_group_ranks(group))
     for name, _, pg in groups:
-        if pg._is_hsdp:
-            raise ValueError(
-                f"sdpq.fsdp.apply: FSDP module {name or '<root>'} is sharded on a 2-D mesh (native HSDP), whose "
-                "replicate all-reduce FSDP2 does itself; for sdpq's quantized one shard on the shard dimension "
-                "only, fully_shard(module, mesh=mesh['shard']), and pass replicate=mesh['replicate']"
-            )
+        what = f"FSDP module {name or '<root>'}"
         shard = set(dist.get_process_group_ranks(pg.mesh_info.shard_process_group))
-        if shard & ranks != {dist.get_rank()}:
-            raise ValueError(
-                f"sdpq.fsdp.apply: the replicate group {sorted(ranks)} and the shard group {sorted(shard)} of FSDP "
-                f"module {name or '<root>'} must meet in this rank only (they are two dimensions of one mesh)"
+        if pg._is_hsdp:
+            return group, (
+                f"sdpq.fsdp.apply: {what} is sharded on a 2-D mesh (native HSDP), whose replicate all-reduce "
+                "FSDP2 does itself; for sdpq's quantized one shard on the shard dimension only, "
+                "fully_shard(module, mesh=mesh['shard']), and pass replicate=mesh['replicate']"
             )
-    return group
+        if len(shard) < 2:
+            return group, f"sdpq.fsdp.apply: {what} is sharded over one rank; with replicate= use a shard group of 2+"
+        if shard & ranks != {dist.get_rank()}:
+            return group, (
+                f"sdpq.fsdp.apply: the replicate group {sorted(ranks)} and the shard group {sorted(shard)} of "
+                f"{what} must meet in this rank only (they are two dimensions of one mesh)"
+            )
+    return group, None
 
 
 def _broadcast_replicas(comms_list: list[ModuleComms], group) -> None:
-    """Start every replica from the first replica's shards (as DDP does): the replicate
-    all-reduce keeps them equal only if they start equal."""
+    """Start every replica from the first replica's parameter shards (as DDP does for
+    parameters; buffers are left alone): the replicate all-reduce keeps them equal only if they
+    start equal."""
     src = dist.get_process_group_ranks(group)[0]
     with torch.no_grad():
         for c in comms_list:
@@ -212,7 +219,8 @@ def _install(comms: ModuleComms) -> None:
     m.set_force_sum_reduction_for_comms(True)
     if comms.replicate is not None:
         m.set_all_reduce_hook(SdpqAllReduceHook(comms))
-        m.set_gradient_divide_factor(float(comms.topology.world_size * comms.replicate.world_size))
+        if comms.param_group.gradient_divide_factor is None:  # else the user's: the total divisor
+            m.set_gradient_divide_factor(float(comms.topology.world_size * comms.replicate.world_size))
     setattr(m, MODULE_ATTR, comms)
 
 
@@ -301,8 +309,12 @@ def apply(
     world = Topology.build(cfg.topology)
     # Note: the whole resolved config, not only what shapes the wire: a rank with other optimizer
     # settings would update its shards differently without any error.
-    check_agreement("sdpq.fsdp.apply", {"config": cfg.to_dict(), "layout": world.layout}, world.world_group)
-    rep_group = _replicate_group(replicate, groups)
+    rep_group, problem = _replicate_group(replicate, groups)
+    replicas = None if rep_group is None else dist.get_world_size(rep_group)
+    agree = {"config": cfg.to_dict(), "layout": world.layout, "replicate": replicas, "usable": problem is None}
+    check_agreement("sdpq.fsdp.apply", agree, world.world_group)
+    if problem is not None:
+        raise ValueError(problem)
     rep_topo = None if rep_group is None else Topology.for_group(rep_group, world)
     stats = CommStats(config=cfg.stats, parent=process_stats())  # this model's own counters
     # One Topology per distinct shard group; built in model order, the same on every rank.

@@ -5,13 +5,14 @@ start ranks, so that they run exactly as a user's job does (fresh processes, env
 
 Launchers: ``torchrun`` (``python -m torch.distributed.run``), ``deepspeed`` (its launcher
 script, next to the interpreter) and ``mpirun`` (Open MPI; the ranks find each other through
-MPI's variables, ``sdpq.launch.env``). Every rank gets ``OMP_NUM_THREADS=1`` unless the caller
-sets it: ranks share the cores. The launch runs in its own session, so a timeout ends the
+MPI's variables, ``sdpq.launch.env``). Every rank gets ``OMP_NUM_THREADS=1`` unless the caller's
+environment or `env` sets it: ranks share the cores. The launch runs in its own session, so a timeout ends the
 launcher and every rank it started.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,7 +69,7 @@ def run_local(
     """Run the job, its output (all ranks) written to `log` and each line given to `on_line`;
     returns the launcher's exit code. Past `timeout` seconds every process of the launch is
     killed and a TimeoutError raised."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
     cmd = local_command(argv, nproc, launcher, full_env)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -76,10 +77,13 @@ def run_local(
 
         def pump() -> None:  # a thread: a silent, hung launch must not block the timeout
             assert proc.stdout is not None
-            for line in proc.stdout:
-                f.write(line)
-                if on_line is not None:
-                    on_line(line)
+            try:
+                for line in proc.stdout:
+                    f.write(line)
+                    if on_line is not None:
+                        on_line(line)
+            except (OSError, ValueError):  # the pipe or the log closed under us: the launch is over
+                pass
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
@@ -88,26 +92,37 @@ def run_local(
         except subprocess.TimeoutExpired:
             _end_launch(proc)
             raise TimeoutError(f"{launcher} launch ran past {timeout:.0f} s; log: {log}") from None
+        except BaseException:  # Ctrl-C (the launch has a session of its own: the signal stops here)
+            _end_launch(proc)
+            raise
         finally:
             reader.join(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
     return code
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ... start time is
+    field 20 here), None if the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below `pid` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[tuple[int, str]]] = {}
     for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            stat = entry.read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.parent.name))
+        fields = _stat(int(entry.parent.name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append((int(entry.parent.name), fields[19]))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             out.append(child)
-            todo.append(child)
+            todo.append(child[0])
     return out
 
 
@@ -121,9 +136,11 @@ def _end_launch(proc: subprocess.Popen) -> None:
         proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
         pass
-    for pid in [proc.pid, *ranks]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)  # our child: its pid stays ours until we wait for it
+    for pid, started in ranks:
+        fields = _stat(pid)
+        if fields is not None and fields[19] == started:  # the same process, not a reused pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     proc.wait()

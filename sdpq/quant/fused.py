@@ -95,10 +95,6 @@ def _seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
 
 
-def _kernel_signs(h: Hadamard | None, device: torch.device) -> tuple[int, torch.Tensor] | None:
-    return None if h is None else (h[0], signs(h[0], h[1], device))
-
-
 def encode_rows(
     x: torch.Tensor,
     spec: QuantSpec,

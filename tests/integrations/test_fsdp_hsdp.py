@@ -104,22 +104,36 @@ def _refusals(ctx):
     import sdpq
     from sdpq.train.model import GPT, GPTConfig
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sdpq.config import ConfigError
+
     mesh = _hsdp_mesh()
+    flat = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    cases = [
+        (mesh, mesh["replicate"]),  # native 2-D HSDP
+        (mesh["shard"], mesh["shard"]),  # the shard group as replicate group
+        (flat["shard"], flat["replicate"]),  # shard groups of one rank
+        (mesh["shard"], mesh["replicate"] if ctx.rank else None),  # rank 0 disagrees: an error, no hang
+    ]
     errors = []
-    for shard_mesh, replicate in ((mesh, mesh["replicate"]), (mesh["shard"], mesh["shard"])):
+    for shard_mesh, replicate in cases:
         model = GPT(GPTConfig(**TINY))
         fully_shard(model, mesh=shard_mesh)
         try:
             sdpq.fsdp.apply(model, QUANT, replicate=replicate)
-        except (ValueError, TopologyError) as e:
+            errors.append(None)
+        except (ValueError, TopologyError, ConfigError) as e:
             errors.append(str(e))
     return errors
 
 
 def test_refused_layouts(dist):
-    errors = dist.run(_refusals, WORLD, RPN)[0]
+    errors = dist.run(_refusals, WORLD, RPN, timeout=60)[1]
     assert "native HSDP" in errors[0] and "mesh['shard']" in errors[0]
     assert "must meet in this rank only" in errors[1]
+    assert "sharded over one rank" in errors[2]
+    assert errors[3] is not None and "replicate" in errors[3]  # every rank raises, none waits
 
 
 # ----------------------------------------------------------------------------- FSDP x TP

@@ -19,9 +19,15 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py 
 
 from sdpq.kernels import codec  # noqa: E402
 from sdpq.quant import QuantSpec  # noqa: E402
-from sdpq.quant.fused import _decode_rows_ref, _encode_rows_ref, _kernel_signs, _reduce_rows_ref  # noqa: E402
+from sdpq.quant.fused import _decode_rows_ref, _encode_rows_ref, _reduce_rows_ref  # noqa: E402
+from sdpq.quant.hadamard import signs  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
+
+
+def _kernel_signs(h, device):
+    """(block, seed) -> the (block, signs tensor) the Triton wrappers take."""
+    return None if h is None else (h[0], signs(h[0], h[1], device))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -27,7 +27,8 @@ def test_command_lines():
         local_command(["job.py"], 2, "srun")
 
 
-def test_run_local_starts_every_rank(tmp_path):
+def test_run_local_starts_every_rank(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # then every rank gets 1
     script = tmp_path / "job.py"
     script.write_text(RANK_SCRIPT)
     lines: list[str] = []
