@@ -11,7 +11,8 @@ RANK_SCRIPT = """
 import os
 import torch.distributed as dist
 dist.init_process_group("gloo")
-print("rank", dist.get_rank(), "of", dist.get_world_size(), "threads", os.environ["OMP_NUM_THREADS"], flush=True)
+# one write per line (a short write to a pipe is atomic; print() writes the line and its end apart)
+os.write(1, f"rank {dist.get_rank()} of {dist.get_world_size()} threads {os.environ['OMP_NUM_THREADS']}\\n".encode())
 dist.destroy_process_group()
 """
 
