@@ -249,7 +249,7 @@ def fsdp_cross_node_bytes(
     the node reference per module (4-bit differences to the other nodes) and the inter-node
     all-to-all of the two-level reduce-scatter, cut as `chunk_layout` cuts it.
     """
-    from ..comm.grads import chunk_layout
+    from ..comm.chunks import chunk_layout
     from ..quant.groupwise import SCALE_DTYPES
 
     N, L = world, per_node

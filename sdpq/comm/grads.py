@@ -38,10 +38,11 @@ from . import timing
 from ._exchange import all_to_all_rows, reduce_scatter_flat
 from ._rng import generator_state, restore_generator
 from .agreement import check_agreement
+from .chunks import chunk_layout
 from .stats import CommStats, Recorder
 from .topology import Topology
 
-__all__ = ["GradReduceScatter", "ChunkLayout", "chunk_layout"]
+__all__ = ["GradReduceScatter"]
 
 _NAN = float("nan")
 
@@ -75,31 +76,6 @@ class _NodePartial(NamedTuple):
     wire: torch.Tensor | None
     own_p: Any
     bad: Any
-
-
-class ChunkLayout(NamedTuple):
-    chunk_numel: int  # ceil(numel / N): the elements each rank gets
-    padded_chunk: int  # the chunk on the wire: whole groups, Hadamard blocks and pipeline slices
-    slices: int
-    hadamard_block: int  # 1 without Hadamard
-
-
-def chunk_layout(numel: int, world_size: int, ranks_per_node: int, c: GradientsConfig) -> ChunkLayout:
-    """How a bucket of `numel` elements is cut on `world_size` ranks (ranks_per_node per node):
-    what GradReduceScatter sends, as a pure function (the scaling model counts bytes with it)."""
-    N, L = world_size, ranks_per_node
-    cn = -(-numel // N)
-    groups = max(c.intra_group_size if L > 1 else 1, c.inter_group_size if N // L > 1 else 1)
-    # Note: a Hadamard block larger than the chunk would pad every chunk up to the block (a
-    # 65536 block on 1024-element chunks sends ~64x the bytes); it is clamped to the chunk
-    # rounded up to a power of two (never below the groups). Every rank derives the same block.
-    block = min(c.hadamard_block, max(groups, 1 << max(0, cn - 1).bit_length())) if c.hadamard else 1
-    align = max(groups, block)
-    # Fewer slices for small buckets: each slice must hold at least one aligned block.
-    slices = max(1, min(c.pipeline_chunks, -(-cn // align)))
-    step = align * slices
-    padded = -(-cn // step) * step if c.mode == "two_level" else cn
-    return ChunkLayout(cn, padded, slices, block)
 
 
 class GradReduceScatter:
