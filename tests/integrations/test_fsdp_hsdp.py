@@ -139,9 +139,13 @@ def test_refused_layouts(dist):
 # ----------------------------------------------------------------------------- FSDP x TP
 
 
-def _fsdp_tp_run(ctx, cfg, steps):
+def _fsdp_tp_run(ctx, cfg, steps, hsdp=False):
     """GPT with tensor-parallel MLPs (fc colwise, out rowwise) on the tp dim (inside a node) and
-    FSDP on the dp dim (across nodes); every tp peer reads its dp rank's batch."""
+    FSDP on the dp dim (across nodes); every tp peer reads its dp rank's batch. hsdp (8 ranks as
+    2 nodes x 4): a (replicate, shard, tp) mesh, FSDP on the shard dim with sdpq's replicate
+    all-reduce (plain: FSDP2's native HSDP on (replicate, shard))."""
+    import hashlib
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -151,17 +155,26 @@ def _fsdp_tp_run(ctx, cfg, steps):
     from sdpq.train.data import TokenData
     from sdpq.train.model import GPT, GPTConfig
 
-    mesh = init_device_mesh("cpu", (WORLD // RPN, RPN), mesh_dim_names=("dp", "tp"))
+    world, replicate = ctx.world_size, None
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        dp_mesh = mesh["replicate", "shard"] if cfg is None else mesh["shard"]
+        replicate = None if cfg is None else mesh["replicate"]
+        dp_rank = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+    else:
+        mesh = init_device_mesh("cpu", (world // RPN, RPN), mesh_dim_names=("dp", "tp"))
+        dp_mesh, dp_rank = mesh["dp"], mesh["dp"].get_local_rank()
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if cfg is not None:
-        sdpq.fsdp.apply(model, {**cfg, "topology": {"ranks_per_node": RPN}}, optimizer=opt)
-    data, dp_rank = TokenData.stdlib(), mesh["dp"].get_local_rank()
+        block_cfg = {**cfg, "topology": {"ranks_per_node": ctx.ranks_per_node}}
+        sdpq.fsdp.apply(model, block_cfg, optimizer=opt, replicate=replicate)
+    data = TokenData.stdlib()
     losses = []
     for step in range(steps):
         x, y = data.batch(step, dp_rank, 2, TINY["seq_len"], seed=0)
@@ -171,11 +184,12 @@ def _fsdp_tp_run(ctx, cfg, steps):
         opt.zero_grad()
         avg = loss.detach().clone()
         dist.all_reduce(avg)
-        losses.append(avg.item() / WORLD)
+        losses.append(avg.item() / world)
+    shards = hashlib.sha256(b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters()))
     stats = sdpq.stats.of(model).as_dict() if cfg is not None else None
     if cfg is not None:
         sdpq.fsdp.remove(model)
-    return {"losses": losses, "stats": stats}
+    return {"losses": losses, "stats": stats, "shards": shards.hexdigest()}
 
 
 def test_fsdp_x_tp(dist):
@@ -190,3 +204,20 @@ def test_fsdp_x_tp(dist):
     s = quant[0]["stats"]
     assert set(s["gradients"]) == {"inter"} and set(s["weights"]) == {"inter"}
     assert s["gradients"]["inter"]["bits_per_element"] < 5
+
+
+def test_hsdp_x_tp(dist):
+    """HSDP x TP, 8 ranks as 2 nodes x 4: (replicate, shard, tp) = (2, 2, 2)."""
+    steps = 4
+    dist.discard(8)
+    plain = dist.run(_fsdp_tp_run, 8, 4, None, steps, True, timeout=180)
+    dist.discard(8)
+    quant = dist.run(_fsdp_tp_run, 8, 4, QUANT, steps, True, timeout=180)
+    dist.discard(8)
+    p, q = plain[0]["losses"], quant[0]["losses"]
+    assert all(abs(a - b) / b < 0.03 for a, b in zip(q, p)), (q, p)
+    # Replica 1 (ranks 4-7) holds bitwise the shards of replica 0 (ranks 0-3), TP shards included.
+    assert [r["shards"] for r in quant[:4]] == [r["shards"] for r in quant[4:]]
+    assert len({r["shards"] for r in quant[:4]}) == 4
+    s = quant[0]["stats"]["gradients"]
+    assert s["inter"]["bits_per_element"] == pytest.approx(4.25, abs=0.1)  # the replicate all-reduce
