@@ -19,6 +19,7 @@ Every arm records the digest of the weights each FSDP module's forward used: wit
 they must be identical on all 4 ranks (both replicas) at every step.
 
     python benchmarks/hsdp_layouts.py --steps 200 [--out FILE]      # ~20 min on 2 cores
+    sudo .venv/bin/python benchmarks/hsdp_layouts.py --steps 20 --bandwidth 1gbit   # step time on a shaped link
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hsdp_layouts.json"))
     ap.add_argument("--timeout", type=float, default=3 * 3600)
+    ap.add_argument("--bandwidth", help="run on 2 emulated nodes joined by a link of this rate (root), e.g. 1gbit")
     args = ap.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     spec = {"backend": "fsdp2", "model": {"d_model": args.d_model, "n_layer": args.n_layer}, "steps": args.steps,
@@ -143,8 +145,18 @@ def main(argv=None) -> int:
         job, log = Path(tmp) / "job.json", Path(tmp) / "run.log"
         job.write_text(json.dumps({"arms": arms, "spec": spec}))
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # benchmarks.zeropp
-        code = run_local([str(Path(__file__).resolve()), "--worker", str(job), tmp], WORLD, log=log,
-                         timeout=args.timeout, env={"PYTHONPATH": path}, on_line=lambda s: print(s, end=""))
+        argv = [str(Path(__file__).resolve()), "--worker", str(job), tmp]
+        if args.bandwidth:  # the same job on network namespaces: the node boundary is a shaped link
+            from sdpq.launch.emulated import run_job
+            from sdpq.launch.netns import EmulatedNodes
+
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+            with EmulatedNodes(WORLD // RPN, args.bandwidth) as cluster:
+                code = run_job(cluster, argv, RPN, timeout=args.timeout, env=env, logs=Path(tmp) / "nodes")
+            log = Path(tmp) / "nodes" / "node0.log"
+        else:
+            code = run_local(argv, WORLD, log=log, timeout=args.timeout, env={"PYTHONPATH": path},
+                             on_line=lambda s: print(s, end=""))
         results = {a: json.loads((Path(tmp) / f"{a}.json").read_text()) for a in arms
                    if (Path(tmp) / f"{a}.json").exists()}
         if code != 0 or len(results) != len(arms):
