@@ -10,6 +10,8 @@ bf16 arithmetic, bf16 gradients because that is what large jobs send):
   hsdp+sdpq   1-D FSDP on the shard dim + sdpq.fsdp.apply(replicate=...): the replicate
               all-reduce quantized by sdpq (4-bit reduce-scatter + 4-bit all-gather, Hadamard)
   hsdp_fp32_reduce  extra context: native HSDP reducing gradients in fp32 (torchtitan's default)
+  hsdp+sdpq_exact_weights  (on request) HSDP + sdpq with weights "exact": the shard group's
+              gathers stay FSDP2's plain ones inside the node; only gradients are quantized
 
 Bytes are counted by benchmarks/zeropp/bytes.py at the process-group level (not sdpq's own
 statistics), per optimizer step, summed over ranks, split by whether a transfer crosses the
@@ -37,7 +39,9 @@ from sdpq.launch.local import run_local
 ROOT = Path(__file__).resolve().parents[1]
 WORLD, RPN = 4, 2
 QUANT = {"weights": {"mode": "diff"}, "gradients": {"mode": "two_level"}, "optimizer": {"enabled": False}}
-ARMS = {"fsdp": None, "fsdp+sdpq": QUANT, "hsdp": None, "hsdp+sdpq": QUANT, "hsdp_fp32_reduce": None}
+GRADS_ONLY = {**QUANT, "weights": {"mode": "exact"}}
+ARMS = {"fsdp": None, "fsdp+sdpq": QUANT, "hsdp": None, "hsdp+sdpq": QUANT, "hsdp_fp32_reduce": None,
+        "hsdp+sdpq_exact_weights": GRADS_ONLY}  # fmt: skip
 
 
 def _arm(name: str, spec_kw: dict) -> dict:
@@ -113,7 +117,7 @@ def summarize(results: dict) -> dict:
             "replicas_identical_every_step": res["replicas_identical_every_step"],
             "sdpq_self_reported_inter_bytes_per_step": res["sdpq_inter_bytes_per_step"],
         }
-    for quant, base in (("fsdp+sdpq", "fsdp"), ("hsdp+sdpq", "hsdp")):
+    for quant, base in (("fsdp+sdpq", "fsdp"), ("hsdp+sdpq", "hsdp"), ("hsdp+sdpq_exact_weights", "hsdp")):
         if quant in out and base in out:
             q, b = out[quant], out[base]
             q["cross_node_ratio"] = q["cross_node_bytes_per_step"] / b["cross_node_bytes_per_step"]
@@ -130,7 +134,7 @@ def summarize(results: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default="fsdp,fsdp+sdpq,hsdp,hsdp+sdpq,hsdp_fp32_reduce", help=f"of {list(ARMS)}")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
