@@ -64,14 +64,8 @@ class GradAllReduce:
         self.gather_spec = rs.inter_spec if topology.nodes > 1 else rs.intra_spec
         self.hadamard = (rs.hadamard_block, c.seed) if c.hadamard else None
         self._rec = Recorder(stats, record_to)
-        R, cn = topology.world_size, rs.chunk_numel
-        valid = [max(0, min(cn, numel - r * cn)) for r in range(R)]
-        own = valid[topology.rank]
-        # What this rank's chunk reaches in phase 2, per link (as GradReduceScatter counts).
-        self._gather_elems = {
-            "intra": own * (topology.ranks_per_node - 1),
-            "inter": own * (topology.nodes - 1) * topology.ranks_per_node,
-        }
+        cn = rs.chunk_numel
+        self._own_valid = max(0, min(cn, numel - topology.rank * cn))  # this rank's chunk, padding excluded
 
     def state_dict(self) -> dict:
         return self.reduce_scatter.state_dict()
@@ -104,8 +98,7 @@ class GradAllReduce:
         group = self.topology.world_group
         # Note: as GradReduceScatter's exact mode, an inf on one rank must not become a finite
         # (or inf) value on some ranks only: a rank holding a non-finite value sends NaN.
-        bad = ~torch.isfinite(flat).all()
-        flat.copy_(torch.where(bad, torch.full_like(flat, float("nan")), flat))
+        flat.copy_(torch.where(torch.isfinite(flat).all(), flat, float("nan")))
         with timing.span("comm.grads"):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         topo, item = self.topology, flat.element_size()
@@ -141,9 +134,10 @@ class GradAllReduce:
         return vals[:, :cn].reshape(-1)
 
     def _record_gather(self, itemsize: int) -> None:
+        # This rank's chunk reaches every other member: L - 1 inside its node, the rest across nodes.
         topo, wire = self.topology, self.gather_spec.wire_bytes(self.reduce_scatter.padded_chunk)
         sends = {"intra": topo.ranks_per_node - 1, "inter": (topo.nodes - 1) * topo.ranks_per_node}
         for link, n in sends.items():
             if n:
-                elems = self._gather_elems[link]
+                elems = n * self._own_valid
                 self._rec.record("gradients", link, bytes=n * wire, elements=elems, baseline_bytes=elems * itemsize)
