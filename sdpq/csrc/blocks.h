@@ -55,8 +55,7 @@ inline bool hadamard_quantize(const Hadamard& had, const float* src, float* keep
   if (had.B != sp.G || len % sp.G != 0) return false;
   return with_block(sp.G, [&](auto nv) {
     constexpr int NV = decltype(nv)::value;
-    for (int64_t off = 0; off < len; off += sp.G) {
-      const int64_t gi = gi0 + off / sp.G;
+    for (int64_t off = 0, gi = gi0; off < len; off += sp.G, ++gi) {
       f8 r[NV];
 #pragma GCC unroll 16
       for (int k = 0; k < NV; ++k) r[k] = loadu(src + off + 8 * k);
@@ -86,21 +85,22 @@ struct RowSum {
     const f8 ve = f8{} + extra;
     for (int64_t k = 0; k < R; ++k) {
       const Into mode = k == 0 ? Into::kStore : (k == R - 1 ? Into::kAddExtra : Into::kAdd);
-      with_into(mode, [&](auto m) {
+      with_into(mode, [&](auto m) __attribute__((always_inline)) {
         if (k == own_row) {
 #pragma GCC unroll 16
           for (int j = 0; j < NV; ++j) r[j] = into<m.value>(r[j], loadu(own + pos + 8 * j), ve);
           return;
         }
         const uint8_t* row = buf + k * bs;
-        auto decode = [&](auto bits) {
-          int64_t gi = -1;
-          f8 scale = {};
+        auto decode = [&](auto bits) __attribute__((always_inline)) {
+          int64_t gi = sp.group_of(pos), next = (gi + 1) * sp.G;
+          f8 scale = f8{} + read_scale(row, cb, sp, gi);
 #pragma GCC unroll 16
           for (int j = 0; j < NV; ++j) {
             const int64_t e = pos + 8 * j;
-            if (e / sp.G != gi) {  // once per group (per block when the group holds the block)
-              gi = e / sp.G;
+            if (e >= next) {  // a new group (never, when the group holds the block)
+              ++gi;
+              next += sp.G;
               scale = f8{} + read_scale(row, cb, sp, gi);
             }
             r[j] = into<m.value>(r[j], decode_vector(row + e * bits.value / 8, bits.value, scale), ve);
@@ -141,8 +141,7 @@ inline bool sum_quantize(const RowSum& rows, const Spec& enc, int64_t c0, int64_
   if (len % enc.G != 0 || c0 % 8 != 0 || rows.sp.G % 8 != 0) return false;
   return with_block(enc.G, [&](auto nv) {
     constexpr int NV = decltype(nv)::value;
-    for (int64_t off = 0; off < len; off += enc.G) {
-      const int64_t gi = gi0 + off / enc.G;
+    for (int64_t off = 0, gi = gi0; off < len; off += enc.G, ++gi) {
       f8 r[NV];
       rows.load<NV>(c0 + off, r);
       bad |= !quantize_registers<NV>(r, keep ? keep + off : nullptr, enc, row + enc.group_code_offset(gi),

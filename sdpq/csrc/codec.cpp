@@ -105,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
       if (own_dst) std::memcpy(own_dst, vals, len * sizeof(float));
       for (int64_t g0 = 0; g0 < len; g0 += spec.G) {
         const int64_t glen = std::min<int64_t>(spec.G, len - g0);
-        const int64_t gi = (pos0 + g0) / spec.G;
+        const int64_t gi = spec.group_of(pos0 + g0);
         bad |= !quantize_group(vals + g0, glen, spec, row + spec.group_code_offset(gi), row + cb + gi * spec.scale_size,
                                static_cast<uint32_t>(seed), static_cast<uint64_t>(p * row_numel + pos0 + g0));
       }
@@ -230,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
         continue;
       }
       for (int64_t g0 = 0; g0 < len; g0 += enc.G) {
-        const int64_t gi = (col + g0) / enc.G;
+        const int64_t gi = enc.group_of(col + g0);
         flag |= !quantize_group(acc + g0, std::min<int64_t>(enc.G, len - g0), enc, erow + enc.group_code_offset(gi),
                                 erow + ecb + gi * enc.scale_size, static_cast<uint32_t>(seed),
                                 static_cast<uint64_t>(c0 + g0));
