@@ -7,10 +7,11 @@
 //
 // The arithmetic is that of the PyTorch reference (sdpq/quant/fused.py and the modules it
 // calls) operation for operation, in fp32 and in the same order, so nearest rounding is bitwise
-// equal to it (the build uses -ffp-contract=off: no fused multiply-adds the reference lacks):
+// equal to it (the build uses -ffp-contract=off: no fused multiply-adds the reference lacks,
+// the one written out, x * (+-1) + p, rounds as the add it replaces):
 //   scale = fp32(absmax / qmax) [-> rounded up to bf16], code = clamp(round_half_even(v / scale)),
 //   the butterflies pair (j, j + h) of every run of 2h as (a + b, a - b), h = 1, 2, 4, ...
-//   (forward: both halved first),
+//   (forward: after the signs times 1 / B),
 //   the received rows are summed in row order.
 // Stochastic rounding uses floor(v / scale + u) with u from a counter-based hash of (seed,
 // element position): the draws differ from the reference's torch generator (both unbiased),

@@ -3,14 +3,19 @@
 
 #include "simd.h"
 
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
+
 namespace sdpq {
 
-// Blockwise randomized Walsh-Hadamard H_B D / B (forward) and D H_B (inverse), as
-// sdpq/quant/hadamard.py. Note: the forward halves before every stage (exact), so no finite
-// input overflows; kHalve below is that choice, a template argument so the loops stay branchless.
+// Blockwise randomized Walsh-Hadamard H_B (D / B) (forward) and D H_B (inverse), as
+// sdpq/quant/hadamard.py: the forward multiplies by the signs over B first (exact: B is a power
+// of two), so every butterfly stage of both directions is a plain a + b, a - b.
 struct Hadamard {
   int64_t B = 1;
   const float* signs = nullptr;
+  std::vector<float> scaled;  // signs / B
   explicit Hadamard(const std::optional<at::Tensor>& s) {
     if (!s) return;
     TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->device().is_cpu(),
@@ -18,36 +23,44 @@ struct Hadamard {
     B = s->numel();
     TORCH_CHECK(B >= 1 && (B & (B - 1)) == 0, "hadamard block ", B, " is not a power of two");
     signs = s->data_ptr<float>();
+    scaled.resize(B);
+    for (int64_t i = 0; i < B; ++i) scaled[i] = signs[i] / static_cast<float>(B);
   }
 
-  // Stages h = 1, 2, 4 inside one 8-lane vector: a shuffle brings each lane its partner p and
-  // the upper lane of each pair is negated (a sign-bit flip, exact), so one add gives lane j
-  // p + x_j = x_{j+h} + x_j and lane j + h x_j + (-x_{j+h}): the reference's a + b and a - b.
-  // Halving happens before a stage's adds: a + b may overflow, a / 2 + b / 2 cannot.
-  template <bool kHalve>
-  SDPQ_INLINE static f8 halve(f8 v) { return kHalve ? v * 0.5f : v; }
+  // One butterfly stage of span h (1, 2, 4) inside an 8-lane vector: lane j gets its partner
+  // p = x_{j^h} (a shuffle) plus x_j times +1 (lower lane of the pair) or -1 (upper lane), i.e.
+  // the reference's a + b and a - b. Multiplying by +-1 is exact, so the fused multiply-add
+  // rounds once, as the add.
+  template <int h>
+  SDPQ_INLINE static f8 stage_in_vector(f8 v) {
+    constexpr float a = 1.0f, b = -1.0f;
+    f8 p, pm;
+    if (h == 1) {
+      p = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+      pm = f8{a, b, a, b, a, b, a, b};
+    } else if (h == 2) {
+      p = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+      pm = f8{a, a, b, b, a, a, b, b};
+    } else {
+      p = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+      pm = f8{a, a, a, a, b, b, b, b};
+    }
+#ifdef __FMA__
+    return (f8)_mm256_fmadd_ps((__m256)v, (__m256)pm, (__m256)p);
+#else
+    return p + (f8)((i8)v ^ ((i8)pm & (i8{} + INT32_MIN)));  // a sign flip, exact
+#endif
+  }
 
-  template <bool kHalve>
   SDPQ_INLINE static f8 stages_in_vector(f8 v) {
-    const i8 n1 = {0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN};
-    const i8 n2 = {0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN};
-    const i8 n4 = {0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN};
-    v = halve<kHalve>(v);
-    v = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6) + (f8)((i8)v ^ n1);
-    v = halve<kHalve>(v);
-    v = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5) + (f8)((i8)v ^ n2);
-    v = halve<kHalve>(v);
-    return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3) + (f8)((i8)v ^ n4);
+    return stage_in_vector<4>(stage_in_vector<2>(stage_in_vector<1>(v)));
   }
 
   // In place, pairs (j, j + h) of every run of 2h become (a + b, a - b) for h = 1, 2, 4, ...
-  // (both halved first if kHalve).
-  template <bool kHalve>
   static void butterflies(float* x, int64_t B) {
-    const float half = kHalve ? 0.5f : 1.0f;
     int64_t h = 1;
     if (B >= 8) {
-      for (int64_t j = 0; j < B; j += 8) storeu(x + j, stages_in_vector<kHalve>(loadu(x + j)));
+      for (int64_t j = 0; j < B; j += 8) storeu(x + j, stages_in_vector(loadu(x + j)));
       h = 8;
     }
     for (; h < B; h *= 2) {
@@ -56,17 +69,16 @@ struct Hadamard {
         float* b = x + j + h;
         if (h >= 8) {
           for (int64_t i = 0; i < h; i += 8) {
-            const f8 va = halve<kHalve>(loadu(a + i)), vb = halve<kHalve>(loadu(b + i));
+            const f8 va = loadu(a + i), vb = loadu(b + i);
             storeu(a + i, va + vb);
             storeu(b + i, va - vb);
           }
           continue;
         }
         for (int64_t i = 0; i < h; ++i) {
-          const float va = a[i] * half, vb = b[i] * half;
-          const float s = va + vb, d = va - vb;
-          a[i] = s;
-          b[i] = d;
+          const float va = a[i], vb = b[i];
+          a[i] = va + vb;
+          b[i] = va - vb;
         }
       }
     }
@@ -78,8 +90,8 @@ struct Hadamard {
   void transform_registers(f8 (&r)[NV]) const {
 #pragma GCC unroll 16
     for (int k = 0; k < NV; ++k) {
-      if (kForward) r[k] = r[k] * loadu(signs + 8 * k);
-      r[k] = stages_in_vector<kForward>(r[k]);
+      if (kForward) r[k] = r[k] * loadu(scaled.data() + 8 * k);
+      r[k] = stages_in_vector(r[k]);
     }
 #pragma GCC unroll 4
     for (int h = 1; h < NV; h *= 2) {
@@ -87,7 +99,7 @@ struct Hadamard {
       for (int j = 0; j < NV; j += 2 * h) {
 #pragma GCC unroll 16
         for (int i = 0; i < h; ++i) {
-          const f8 a = halve<kForward>(r[j + i]), b = halve<kForward>(r[j + i + h]);
+          const f8 a = r[j + i], b = r[j + i + h];
           r[j + i] = a + b;
           r[j + i + h] = a - b;
         }
@@ -129,8 +141,8 @@ struct Hadamard {
     if (try_registers<true>(x, x, len)) return;
     for (int64_t b0 = 0; b0 < len; b0 += B) {
       float* blk = x + b0;
-      for (int64_t i = 0; i < B; ++i) blk[i] = blk[i] * signs[i];
-      butterflies<true>(blk, B);
+      for (int64_t i = 0; i < B; ++i) blk[i] = blk[i] * scaled[i];
+      butterflies(blk, B);
     }
   }
 
@@ -138,7 +150,7 @@ struct Hadamard {
     if (try_registers<false>(x, x, len)) return;
     for (int64_t b0 = 0; b0 < len; b0 += B) {
       float* blk = x + b0;
-      butterflies<false>(blk, B);
+      butterflies(blk, B);
       for (int64_t i = 0; i < B; ++i) blk[i] = blk[i] * signs[i];
     }
   }

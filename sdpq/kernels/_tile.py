@@ -130,15 +130,12 @@ def dequantize_tile(codes, s):
 
 
 @triton.jit
-def fwht(x, B: tl.constexpr, LOG2B: tl.constexpr, HALVE: tl.constexpr):
-    """Walsh-Hadamard transform of each row of x [M, B], times 1/B if HALVE (same butterflies
-    as ``sdpq.quant.hadamard._fwht``: pairs (j, j + h) of every run of 2h become (a + b, a - b),
-    halved before each stage so no intermediate overflows)."""
+def fwht(x, B: tl.constexpr, LOG2B: tl.constexpr):
+    """Unnormalized Walsh-Hadamard transform of each row of x [M, B] (same butterflies as
+    ``sdpq.quant.hadamard._fwht``: pairs (j, j + h) of every run of 2h become (a + b, a - b))."""
     M: tl.constexpr = x.shape[0]
     for i in tl.static_range(LOG2B):
         h: tl.constexpr = 1 << i
-        if HALVE:  # before the add (as the reference): a + b may overflow, a / 2 + b / 2 cannot
-            x = x * 0.5
         v = tl.permute(tl.reshape(x, [M, B // (2 * h), 2, h]), [0, 1, 3, 2])
         a, b = tl.split(v)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [M, B])

@@ -98,8 +98,8 @@ def _encode_kernel(
     if HAS_REF:
         v = v - tl.load(ref_ptr + r * ref_stride + col, mask=m, other=0.0).to(tl.float32)
     if HB > 1:  # H D v / HB per block of HB (as the reference)
-        v = v * tl.load(signs_ptr + (col % HB))
-        v = tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB, True), [TILE])
+        v = v * (tl.load(signs_ptr + (col % HB)) * (1.0 / HB))  # D / HB: exact, a power of two
+        v = tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB), [TILE])
     seg = r // P
     if WRITE_OWN:
         if r % P == own_row:
@@ -232,7 +232,7 @@ def _reduce_kernel(
         )  # fmt: skip
     else:
         if HB > 1:  # D H y: butterflies, then the signs (as the reference)
-            acc = tl.reshape(fwht(tl.reshape(acc, [TILE // HB, HB]), HB, LOG2HB, False), [TILE])
+            acc = tl.reshape(fwht(tl.reshape(acc, [TILE // HB, HB]), HB, LOG2HB), [TILE])
             acc = acc * tl.load(signs_ptr + (col % HB))
         tl.store(out_ptr + col, acc, mask=m)
 

@@ -5,11 +5,13 @@ random +-1 signs drawn from ``seed`` (every rank must pass the same seed). The t
 linear, so partial sums can be added in the transformed domain and inverted once at the end
 (x = D H_B y); it spreads an outlier over its block so absmax groups of 4-bit codes lose less.
 
-Note: the forward transform halves the values before every butterfly stage, so no intermediate value exceeds
-max|x| and no finite input overflows (the sums of an unnormalized butterfly reach B max|x|, and
-an orthonormal output can still reach sqrt(B) max|x|). Halving is exact in binary floating point
-(short of subnormals), so the result is the unnormalized transform times 1/B, rounded once per
-add. The inverse needs no scaling, and its stages stay within max|x| for y = H_B D x / B: after
+Note: the forward transform scales by 1/B first (the signs times 1/B, a power of two: exact
+for |x| >= 2^-119) and then runs the unnormalized butterflies, so no intermediate value exceeds
+max|x| and no finite input overflows: after s stages a value is a signed sum of 2^s inputs of
+at most max|x| / B. (The sums of an unnormalized butterfly of x itself reach B max|x|, and an
+orthonormal output can still reach sqrt(B) max|x|.) Powers of two commute with rounding short
+of subnormals, so this is the unnormalized transform of x times 1/B, rounded once per add. The
+inverse needs no scaling, and its stages stay within max|x| for y = H_B D x / B: after
 s stages they hold 2^s H_(other stages) x / B, whose entries are at most 2^s 2^(k-s) max|x| / B. SDP4Bit uses a
 fixed, un-randomized 32x32 matrix; the random signs here make the spreading independent of how
 the outliers line up with the Hadamard rows.
@@ -43,6 +45,11 @@ def _device_signs(block: int, seed: int, device: torch.device) -> torch.Tensor:
     return _cpu_signs(block, seed).to(device)
 
 
+@functools.lru_cache(maxsize=64)
+def _scaled_signs(block: int, seed: int, device: torch.device) -> torch.Tensor:
+    return _device_signs(block, seed, device) / block  # D / B, exact: B is a power of two
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     if block < 1 or block & (block - 1):
         raise ValueError(f"hadamard: block={block}; allowed: a power of two")
@@ -54,14 +61,12 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _fwht(x: torch.Tensor, halve: bool) -> torch.Tensor:
-    """Fast Walsh-Hadamard transform of the last dim (a power of two), times 1/B if `halve`."""
+def _fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized fast Walsh-Hadamard transform of the last dim (a power of two)."""
     *lead, B = x.shape
     h = 1
     while h < B:
         # Pairs (j, j + h) inside each run of 2h values become (a + b, a - b).
-        if halve:  # before the add: a + b may overflow, a / 2 + b / 2 cannot
-            x = x * 0.5
         v = x.view(*lead, B // (2 * h), 2, h)
         a, b = v[..., 0, :], v[..., 1, :]
         x = torch.stack((a + b, a - b), dim=-2).view(*lead, B)
@@ -72,12 +77,12 @@ def _fwht(x: torch.Tensor, halve: bool) -> torch.Tensor:
 def hadamard(x: torch.Tensor, block: int, seed: int) -> torch.Tensor:
     """fp32 ``H_B D x / B`` over the last dim (a multiple of ``block``), same shape as ``x``."""
     xb = _blocks(x, block)
-    y = _fwht(xb * signs(block, seed, x.device), halve=True)
+    y = _fwht(xb * _scaled_signs(block, seed, x.device))
     return y.view(x.shape)
 
 
 def inverse_hadamard(y: torch.Tensor, block: int, seed: int) -> torch.Tensor:
     """fp32 ``D H_B y``: the inverse of `hadamard` (H_B H_B = B I)."""
     yb = _blocks(y, block)
-    x = _fwht(yb, halve=False) * signs(block, seed, y.device)
+    x = _fwht(yb) * signs(block, seed, y.device)
     return x.view(y.shape)
