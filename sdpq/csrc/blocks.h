@@ -39,8 +39,8 @@ SDPQ_INLINE bool quantize_registers(const f8 (&r)[NV], float* keep, const Spec& 
     const f8 scale = f8{} + gs.safe;
     const float qmax = static_cast<float>(sp.qmax);
     with_format(sp, [&](auto bits, auto stochastic) {
-#pragma GCC unroll 16
-      for (int k = 0; k < NV; ++k) encode_vector<bits, stochastic>(r[k], scale, qmax, seed, pos0 + 8 * k, codes + k * bits);
+      encode_vectors<bits, stochastic>(std::integral_constant<int, NV>{}, [&](int k) { return r[k]; }, scale, qmax,
+                                       seed, pos0, codes);
     });
   }
   gs.write(sp, scale_dst);
