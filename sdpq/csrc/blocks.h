@@ -26,13 +26,7 @@ SDPQ_INLINE bool quantize_registers(const f8 (&r)[NV], float* keep, const Spec& 
     m = a > m ? a : m;
     isnan |= r[k] != r[k];
   }
-  float amax = 0.0f;
-  bool nan = false;
-  for (int k = 0; k < 8; ++k) {
-    amax = m[k] > amax ? m[k] : amax;
-    nan |= isnan[k] != 0;
-  }
-  const GroupScale gs(amax, nan, sp);
+  const GroupScale gs(max_lane(m), any_lane(isnan), sp);
   if (!gs.finite) {
     std::memset(codes, 0, NV * sp.bits);
   } else {
@@ -83,6 +77,10 @@ struct RowSum {
   template <int NV>
   SDPQ_INLINE void load(int64_t pos, f8 (&r)[NV]) const {
     const f8 ve = f8{} + extra;
+    if (R == 2 && sp.G % (8 * NV) == 0 && own_row < 2) {
+      load_two<NV>(pos, r, ve);
+      return;
+    }
     for (int64_t k = 0; k < R; ++k) {
       const Into mode = k == 0 ? Into::kStore : (k == R - 1 ? Into::kAddExtra : Into::kAdd);
       with_into(mode, [&](auto m) __attribute__((always_inline)) {
@@ -113,6 +111,31 @@ struct RowSum {
 #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) r[j] = r[j] + ve;
     }
+  }
+
+  // The same for two rows whose block lies in one group (the 2-node and 2-GPU layouts): both
+  // rows summed in one pass, so the block never leaves registers. Note: (row 0 + row 1) + extra,
+  // the order of the general path.
+  template <int NV>
+  SDPQ_INLINE void load_two(int64_t pos, f8 (&r)[NV], f8 ve) const {
+    const int64_t gi = sp.group_of(pos);
+    const f8 s0 = f8{} + read_scale(buf, cb, sp, gi), s1 = f8{} + read_scale(buf + bs, cb, sp, gi);
+    auto sum = [&](auto bits, auto own0, auto own1) __attribute__((always_inline)) {
+      constexpr int B = decltype(bits)::value;
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) {
+        const int64_t e = pos + 8 * j;
+        const f8 a = own0 ? loadu(own + e) : decode_vector(buf + e * B / 8, B, s0);
+        const f8 b = own1 ? loadu(own + e) : decode_vector(buf + bs + e * B / 8, B, s1);
+        r[j] = (a + b) + ve;
+      }
+    };
+    using T = std::true_type;
+    using F = std::false_type;
+    auto rows = [&](auto bits) __attribute__((always_inline)) {
+      own_row == 0 ? sum(bits, T{}, F{}) : own_row == 1 ? sum(bits, F{}, T{}) : sum(bits, F{}, F{});
+    };
+    sp.bits == 8 ? rows(std::integral_constant<int, 8>{}) : rows(std::integral_constant<int, 4>{});
   }
 };
 

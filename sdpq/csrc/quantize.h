@@ -200,10 +200,8 @@ inline bool quantize_group(const float* v, int64_t len, const Spec& sp, uint8_t*
       m = a > m ? a : m;
       isnan |= x != x;
     }
-    for (int k = 0; k < 8; ++k) {
-      amax = m[k] > amax ? m[k] : amax;
-      nan |= isnan[k] != 0;
-    }
+    amax = max_lane(m);
+    nan = any_lane(isnan);
   }
   for (; i < len; ++i) {
     const float a = std::fabs(v[i]);

@@ -54,6 +54,26 @@ inline int64_t tile_size(int64_t n, std::initializer_list<int64_t> sizes) {
 // Tiles per parallel task: at least ~32K elements, so small buffers stay on one thread.
 inline int64_t grain(int64_t tile) { return std::max<int64_t>(1, (int64_t{1} << 15) / tile); }
 
+// The largest lane of m (lanes >= 0, no NaN) and whether any lane of mask is set: three
+// shuffle + max steps instead of eight dependent scalar maxes (once per quantization group,
+// where this chain delays the group's scale and so every code of it).
+SDPQ_INLINE float max_lane(f8 m) {
+  f8 t = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3);
+  m = m > t ? m : t;
+  t = __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5);
+  m = m > t ? m : t;
+  t = __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6);
+  m = m > t ? m : t;
+  return m[0];
+}
+
+SDPQ_INLINE bool any_lane(i8 mask) {
+  i8 t = mask | __builtin_shufflevector(mask, mask, 4, 5, 6, 7, 0, 1, 2, 3);
+  t |= __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5);
+  t |= __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6);
+  return t[0] != 0;
+}
+
 // ---------------------------------------------------------------------------- conversions
 
 SDPQ_INLINE uint32_t bits_of(float x) {

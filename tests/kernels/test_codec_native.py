@@ -94,8 +94,10 @@ def test_decode_bitwise(spec, out_dtype, add):
 @pytest.mark.parametrize("rows", [1, 2, 5])  # 5: torch's sum(0) would reorder; the row order is the contract
 @pytest.mark.parametrize("bad", [False, True])
 @pytest.mark.parametrize("hadamard", [None, (16, 1), (128, 2)], ids=str)
-def test_reduce_bitwise(rows, bad, hadamard):
-    spec, n = QuantSpec(8, 128), 4 * 2048
+# groups that hold a 128-block (two rows are then summed in one pass) and groups it spans
+@pytest.mark.parametrize("spec", [QuantSpec(8, 128), QuantSpec(4, 2048), QuantSpec(4, 32)], ids=str)
+def test_reduce_bitwise(rows, bad, hadamard, spec):
+    n = 4 * 2048
     wire = _encode_rows_ref(_data(rows, n, seed=rows), spec, None, 1, None, None, None)[0]
     own = _data(1, n, seed=11).reshape(-1)
     flag = torch.tensor(bad)
