@@ -10,11 +10,18 @@ Where the fused kernel runs (fp8+mcf on CUDA with Triton), the record also gives
 GB/s (minimum traffic: bf16 gradient read, bf16 weight + compensation and both FP8 code
 tensors read and written, metadata), a copy of the same traffic in the same run, and the
 speedup over the PyTorch path (the same optimizer with ``kernels_enabled = False``).
+
+Note: torch's foreach AdamW allocates temporaries of the parameters' size every step. Whether
+the C library hands that memory back to the OS between steps varies from process to process
+(glibc's adaptive mmap threshold); when it does, every baseline step faults it in again (~5000
+page faults at 10M parameters on CPU, +50-90% step time). ``baseline_faults_per_step`` records
+which case a run saw; sdpq's fused step allocates nothing per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -34,6 +41,7 @@ COLUMNS = [
     "step_seconds",
     "baseline_step_seconds",
     "vs_baseline",
+    "baseline_faults_per_step",
     "gbps",
     "vs_copy",
     "speedup_vs_pytorch",
@@ -84,6 +92,18 @@ def _kernel_figures(opt: AdamW, numel: int, step_s: float, min_run_time: float, 
     )
 
 
+def _faults_per_call(fn, calls: int = 3) -> float | None:
+    """Minor page faults per call of fn (None where getrusage is not available)."""
+    if sys.platform == "win32":
+        return None
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--numel",
@@ -131,6 +151,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 step_seconds=step_s,
                 baseline_step_seconds=base_s,
                 vs_baseline=step_s / base_s,
+                baseline_faults_per_step=_faults_per_call(baseline.step) if device.type == "cpu" else None,
                 breakdown=rep["per_param"],
             )
             kernel = uses_kernels(params[0]) or (device.type == "cpu" and adamw_ops.cpu_available())
