@@ -44,6 +44,11 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
+# Part of the cache key: a build with other flags is another library. -ffp-contract=off: no FMA
+# the reference lacks (bitwise equality).
+_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off")
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -63,6 +68,7 @@ def _key(name: str) -> str:
     h.update(torch.__version__.encode())
     h.update(platform.machine().encode())
     h.update(_cpu_flags().encode())
+    h.update(" ".join(_CFLAGS).encode())
     return h.hexdigest()[:16]
 
 
@@ -82,12 +88,11 @@ def load(name: str) -> bool:
         if so.exists():  # built before: no compiler needed, no ninja check
             torch.ops.load_library(str(so))
             return True
-        flags = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
         cpp_extension.load(
             name=lib,
             sources=[str(source)],
             extra_include_paths=[str(_CSRC)],
-            extra_cflags=flags,
+            extra_cflags=list(_CFLAGS),
             extra_ldflags=[],
             build_directory=str(build),
             is_python_module=False,
