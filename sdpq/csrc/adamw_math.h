@@ -319,6 +319,96 @@ void encode_constants(const float* mx, const float* mn, int64_t groups, float* _
   }
 }
 
+#ifdef __AVX2__
+// log2(c_j) and 1 / c_j at the centres c_j = 1 + (2j + 1) / 16 of the eighths of [1, 2).
+struct EighthCentres {
+  alignas(32) float log2c[8], inv[8];
+  EighthCentres() {
+    for (int j = 0; j < 8; ++j) {
+      const double c = 1.0 + (2 * j + 1) / 16.0;
+      log2c[j] = static_cast<float>(std::log2(c));
+      inv[j] = static_cast<float>(1.0 / c);
+    }
+  }
+};
+
+SDPQ_ADAMW_INLINE f8 vfma(f8 a, f8 b, f8 c) { return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+
+// encode_group's codes of 8 Q values x[0:8Q] (a finite group: bias finite) as int32 lanes.
+// log2|x| without a division: x = 2^e m, m in [1, 2), m = c_j (1 + r) with c_j the centre of m's
+// eighth (vpermps on the top 3 mantissa bits), |r| < 1/17, log2(1 + r) by its series to r^5
+// (truncation < 1e-8, rounding ~1e-7 absolute); then exp2_normal's polynomial and fp8_bits, as
+// the scalar path. Note: the Q vectors advance in lock-step, one operation on all Q before the
+// next. Each vector's chain is ~40 dependent operations; written one vector after the other
+// (as the compiler emits a vectorized loop), the out-of-order window held about two of them and
+// the loop ran at ~1 operation per cycle: 1.56 ns per value, 0.92 ns with Q = 8.
+template <class F, int Q>
+SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, __m256 inv, __m256 log2c, i8 (&out)[Q]) {
+  constexpr int kShift = 23 - F::kMant;
+  constexpr float L = 1.4426950408889634f;  // 1 / ln 2
+  const f8 magic = f8{} + 0x1.8p23f;        // 1.5 * 2^23: adding it rounds to an integer
+  i8 ux[Q], e[Q];
+  __m256i j[Q];
+  f8 r[Q], p[Q], y[Q], sh[Q];
+#define SDPQ_EACH _Pragma("GCC unroll 16") for (int q = 0; q < Q; ++q)
+  SDPQ_EACH ux[q] = (i8)loadu(x + 8 * q) & 0x7FFFFFFF;
+  SDPQ_EACH {
+    const i8 tiny = ux[q] < 0x00800000;  // subnormal: scaled by 2^23 first
+    const i8 u = (i8)((f8)ux[q] * (tiny ? f8{} + 0x1p23f : f8{} + 1.0f));
+    e[q] = (u >> 23) - 127 - (tiny & 23);
+    j[q] = (__m256i)((u >> 20) & 7);
+    r[q] = vfma((f8)((u & 0x007FFFFF) | 0x3F800000), (f8)_mm256_permutevar8x32_ps(inv, j[q]), f8{} - 1.0f);
+  }
+  SDPQ_EACH p[q] = vfma(r[q], f8{} + L / 5, f8{} - L / 4);
+  SDPQ_EACH p[q] = vfma(p[q], r[q], f8{} + L / 3);
+  SDPQ_EACH p[q] = vfma(p[q], r[q], f8{} - L / 2);
+  SDPQ_EACH p[q] = vfma(p[q], r[q], f8{} + L);
+  SDPQ_EACH {
+    const f8 l = __builtin_convertvector(e[q], f8) + vfma(p[q], r[q], (f8)_mm256_permutevar8x32_ps(log2c, j[q]));
+    y[q] = l * k + bias;
+    sh[q] = y[q] + magic;
+    y[q] = y[q] - (sh[q] - magic);  // f in [-1/2, 1/2]
+  }
+  SDPQ_EACH p[q] = vfma(y[q], f8{} + 0x1.41fbbcp-13f, f8{} + 0x1.5f3e54p-10f);
+  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 0x1.3b2d4cp-7f);
+  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 0x1.c6aee8p-5f);
+  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 0x1.ebfbdcp-3f);
+  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 0x1.62e430p-1f);
+  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 1.0f);
+  SDPQ_EACH {
+    i8 mag = (i8)p[q] + (((i8)sh[q] - (i8)magic) << 23);
+    const i8 fmax = i8{} + static_cast<int32_t>(bits_of(F::kMax));
+    mag = mag < fmax ? mag : fmax;
+    const i8 sub = (i8)((f8)mag + F::kDenormAdd) - static_cast<int32_t>(bits_of(F::kDenormAdd));
+    const i8 normal = (mag + static_cast<int32_t>((static_cast<uint32_t>(F::kBias - 127) << 23) +
+                                                  ((1u << (kShift - 1)) - 1u)) + ((mag >> kShift) & 1)) >> kShift;
+    const i8 code = mag < static_cast<int32_t>(F::kMinNormal) ? sub : normal;
+    out[q] = (ux[q] == 0 ? 0 : code) | (((i8)loadu(x + 8 * q) >> 24) & 0x80);
+  }
+#undef SDPQ_EACH
+}
+
+// Codes of the first n - n % 64 values; returns how many.
+template <class F>
+int64_t encode_avx2(const float* x, int64_t n, float k, float bias, uint8_t* codes) {
+  constexpr int Q = 8;
+  static const EighthCentres t;
+  const __m256 inv = _mm256_load_ps(t.inv), log2c = _mm256_load_ps(t.log2c);
+  const f8 vk = f8{} + k, vb = f8{} + bias;
+  int64_t i = 0;
+  for (; i + 8 * Q <= n; i += 8 * Q) {
+    i8 c[Q];
+    encode_lockstep<F, Q>(x + i, vk, vb, inv, log2c, c);
+    for (int h = 0; h < Q; h += 2) {  // codes 0..255: saturating packs keep them; dwords back in order
+      const __m256i w = _mm256_packus_epi32((__m256i)c[h], (__m256i)c[h + 1]);
+      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w, w), _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 8 * h), _mm256_castsi256_si128(b));
+    }
+  }
+  return i;
+}
+#endif
+
 // code = fp8(sign(x) min(exp2(k log2|x| + bias), fmax)). For x != 0, k log2|x| + bias =
 // k (log2|x| - log2 mx) + log2 fmax lies in [1 - log2 fmax, log2 fmax] (k log2 R <= 2 log2 fmax
 // - 1): exp2 stays normal. Zeros (log2 = -inf in the reference) give code 0 with their sign; a
@@ -329,6 +419,12 @@ void encode_group(const float* x, int64_t n, float k, float bias, uint8_t* codes
     for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(0x7Fu | ((bits_of(x[i]) >> 24) & 0x80u));
     return;
   }
+#ifdef __AVX2__
+  const int64_t done = encode_avx2<F>(x, n, k, bias, codes);
+  x += done;
+  codes += done;
+  n -= done;
+#endif
   const uint32_t fmax_bits = bits_of(F::kMax);
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t ux = bits_of(x[i]) & 0x7FFFFFFFu;
