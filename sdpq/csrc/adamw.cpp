@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "adamw_math.h"
+#include "mcf_avx2.h"
 
 namespace sdpq {
 namespace adamw {
@@ -318,7 +319,11 @@ void native_weights(T* w, const float* m, const float* sq, int64_t n, const Hype
 // MCF master: one Grow of (w, lo) by -step_size m / denom [- lr wd (w + lo)].
 template <bool kDecay>
 void mcf_weights(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int64_t n, const Hyper& h) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  i = mcf_weights_avx2<kDecay>(w, lo, m, sq, n, h.bc2, h.eps, h.neg_step, h.neg_lr_wd);
+#endif
+  for (; i < n; ++i) {
     const float denom = sq[i] / h.bc2 + h.eps;
     const float hi = bf16_to_float(w[i]), l = bf16_to_float(lo[i]);
     const float d = (m[i] / denom) * h.neg_step;
