@@ -34,7 +34,7 @@
 #include <cstring>
 #include <vector>
 
-#include "adamw_math.h"
+#include "fp8_groups.h"
 #include "mcf_avx2.h"
 
 namespace sdpq {
