@@ -77,7 +77,7 @@ struct RowSum {
   template <int NV>
   SDPQ_INLINE void load(int64_t pos, f8 (&r)[NV]) const {
     const f8 ve = f8{} + extra;
-    if (R == 2 && sp.G % (8 * NV) == 0 && own_row < 2) {
+    if (R == 2 && own_row < 2 && sp.group_of(pos) == sp.group_of(pos + 8 * NV - 1)) {
       load_two<NV>(pos, r, ve);
       return;
     }
@@ -113,7 +113,7 @@ struct RowSum {
     }
   }
 
-  // The same for two rows whose block lies in one group (the 2-node and 2-GPU layouts): both
+  // The same for two rows when the block lies in one group (the 2-node and 2-GPU layouts): both
   // rows summed in one pass, so the block never leaves registers. Note: (row 0 + row 1) + extra,
   // the order of the general path.
   template <int NV>

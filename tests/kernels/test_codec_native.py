@@ -91,6 +91,19 @@ def test_decode_bitwise(spec, out_dtype, add):
     assert _same(got, want)
 
 
+def test_reduce_requantize_rows_that_do_not_start_on_a_group():
+    """Re-encoded rows of 2064 values (not a multiple of the received 128-groups): a 32-block of
+    the second row can straddle two received groups, and must take each group's scale."""
+    spec, enc, n, rows = QuantSpec(8, 128), QuantSpec(4, 32), 2 * 2064, 2
+    wire = _encode_rows_ref(_data(rows, n, seed=3), spec, None, 1, None, None, None)[0]
+    own = _data(1, n, seed=4).reshape(-1)
+    for own_row in (0, 1):
+        got = OPS.reduce_rows(wire, n, *_args(spec)[:2], False, own, own_row, torch.tensor(False), None, *_args(enc),
+                              n // 2, 1, 0)
+        want = _reduce_rows_ref(wire, spec, n, own, own_row, torch.zeros(1), None, enc, n // 2, 1, None)
+        assert torch.equal(got[0], want[0]) and _same(got[1], want[1])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5])  # 5: torch's sum(0) would reorder; the row order is the contract
 @pytest.mark.parametrize("bad", [False, True])
 @pytest.mark.parametrize("hadamard", [None, (16, 1), (128, 2)], ids=str)
