@@ -320,7 +320,7 @@ void native_weights(T* w, const float* m, const float* sq, int64_t n, const Hype
 template <bool kDecay>
 void mcf_weights(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int64_t n, const Hyper& h) {
   int64_t i = 0;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
   i = mcf_weights_avx2<kDecay>(w, lo, m, sq, n, h.bc2, h.eps, h.neg_step, h.neg_lr_wd);
 #endif
   for (; i < n; ++i) {

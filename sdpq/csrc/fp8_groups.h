@@ -160,7 +160,9 @@ void encode_constants(const float* mx, const float* mn, int64_t groups, float* _
   }
 }
 
-#ifdef __AVX2__
+// Note: with FMA only: the scalar path's fmadd is a fused multiply-add exactly when the CPU has
+// one (__FP_FAST_FMAF), and the vector path must round as it does.
+#if defined(__AVX2__) && defined(__FMA__)
 SDPQ_ADAMW_INLINE f8 vfma(f8 a, f8 b, f8 c) { return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 
 // encode_group's codes of 8 Q values x[0:8Q] (a finite group: bias finite) as int32 lanes: the
@@ -244,7 +246,7 @@ void encode_group(const float* x, int64_t n, float k, float bias, uint8_t* codes
     for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(0x7Fu | ((bits_of(x[i]) >> 24) & 0x80u));
     return;
   }
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
   const int64_t done = encode_avx2<F>(x, n, k, bias, codes);
   x += done;
   codes += done;

@@ -7,7 +7,7 @@
 // Q independent vectors one operation at a time keeps Q chains in flight.
 #pragma once
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)  // the scalar loop's fmadd is fused on such CPUs only
 #include <immintrin.h>
 
 #include "simd.h"
