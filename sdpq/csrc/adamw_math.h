@@ -66,7 +66,7 @@ SDPQ_ADAMW_INLINE float fmadd(float a, float b, float c) {
 // zero low 16 bits and stays a NaN; only payloads 0x7FFF8000-0x7FFFFFFF (sign either) would not.
 SDPQ_ADAMW_INLINE float round_bf16_unchecked(float f) {
   const uint32_t u = bits_of(f);
-  return float_of((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+  return float_of(bf16_rounding_add(u) & 0xFFFF0000u);
 }
 
 SDPQ_ADAMW_INLINE float round_bf16(float f) { return f != f ? float_of(0x7FC00000u) : round_bf16_unchecked(f); }

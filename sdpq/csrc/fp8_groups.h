@@ -163,7 +163,6 @@ void encode_constants(const float* mx, const float* mn, int64_t groups, float* _
 // Note: with FMA only: the scalar path's fmadd is a fused multiply-add exactly when the CPU has
 // one (__FP_FAST_FMAF), and the vector path must round as it does.
 #if defined(__AVX2__) && defined(__FMA__)
-SDPQ_ADAMW_INLINE f8 vfma(f8 a, f8 b, f8 c) { return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 
 // encode_group's codes of 8 Q values x[0:8Q] (a finite group: bias finite) as int32 lanes: the
 // scalar path's operations (log2_positive, exp2_normal, fp8_bits) on vectors, so the same codes.
@@ -190,7 +189,7 @@ SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[
     e[q] = ex - (tiny & 23);
   }
   SDPQ_EACH t2[q] = t[q] * t[q];
-  SDPQ_EACH p[q] = vfma(vfma(vfma(f8{} + 0x1.ba18fap-2f, t2[q], f8{} + 0x1.27471cp-1f), t2[q], f8{} + 0x1.ec70e6p-1f),
+  SDPQ_EACH p[q] = fma8(fma8(fma8(f8{} + 0x1.ba18fap-2f, t2[q], f8{} + 0x1.27471cp-1f), t2[q], f8{} + 0x1.ec70e6p-1f),
                          t2[q], f8{} + 0x1.715476p+1f);
   SDPQ_EACH {
     const f8 l = __builtin_convertvector(e[q], f8) + t[q] * p[q];
@@ -198,12 +197,12 @@ SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[
     sh[q] = y[q] + magic;
     y[q] = y[q] - (sh[q] - magic);  // f in [-1/2, 1/2]
   }
-  SDPQ_EACH p[q] = vfma(y[q], f8{} + 0x1.41fbbcp-13f, f8{} + 0x1.5f3e54p-10f);
-  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 0x1.3b2d4cp-7f);
-  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 0x1.c6aee8p-5f);
-  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 0x1.ebfbdcp-3f);
-  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 0x1.62e430p-1f);
-  SDPQ_EACH p[q] = vfma(p[q], y[q], f8{} + 1.0f);
+  SDPQ_EACH p[q] = fma8(y[q], f8{} + 0x1.41fbbcp-13f, f8{} + 0x1.5f3e54p-10f);
+  SDPQ_EACH p[q] = fma8(p[q], y[q], f8{} + 0x1.3b2d4cp-7f);
+  SDPQ_EACH p[q] = fma8(p[q], y[q], f8{} + 0x1.c6aee8p-5f);
+  SDPQ_EACH p[q] = fma8(p[q], y[q], f8{} + 0x1.ebfbdcp-3f);
+  SDPQ_EACH p[q] = fma8(p[q], y[q], f8{} + 0x1.62e430p-1f);
+  SDPQ_EACH p[q] = fma8(p[q], y[q], f8{} + 1.0f);
   SDPQ_EACH {
     i8 mag = (i8)p[q] + (((i8)sh[q] - (i8)magic) << 23);
     const i8 fmax = i8{} + static_cast<int32_t>(bits_of(F::kMax));

@@ -3,10 +3,6 @@
 
 #include "simd.h"
 
-#ifdef __FMA__
-#include <immintrin.h>
-#endif
-
 namespace sdpq {
 
 // Blockwise randomized Walsh-Hadamard H_B (D / B) (forward) and D H_B (inverse), as
@@ -46,7 +42,7 @@ struct Hadamard {
       pm = f8{a, a, a, a, b, b, b, b};
     }
 #ifdef __FMA__
-    return (f8)_mm256_fmadd_ps((__m256)v, (__m256)pm, (__m256)p);
+    return fma8(v, pm, p);
 #else
     return p + (f8)((i8)v ^ ((i8)pm & (i8{} + INT32_MIN)));  // a sign flip, exact
 #endif

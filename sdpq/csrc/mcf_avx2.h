@@ -28,8 +28,7 @@ SDPQ_INLINE void store_bf16x16(uint16_t* p, i8 a, i8 b) {  // a, b: bf16 bits in
 
 // round_bf16_unchecked / round_bf16 / float_to_bf16 of adamw_math.h and simd.h, on 8 lanes.
 SDPQ_INLINE i8 round_bits(f8 f) {
-  const i8 u = (i8)f;
-  return (u + 0x7FFF + ((u >> 16) & 1)) & (int32_t)0xFFFF0000u;
+  return bf16_rounding_add((i8)f) & static_cast<int32_t>(0xFFFF0000u);
 }
 
 SDPQ_INLINE i8 round_bits_nan(f8 f) { return f != f ? i8{} + 0x7FC00000 : round_bits(f); }
@@ -51,7 +50,7 @@ int64_t mcf_weights_avx2(uint16_t* w, uint16_t* lo, const float* m, const float*
       l[q] = load_bf16x8(lo + i + 8 * q);
     }
     if (kDecay) {
-      SDPQ_EACH d[q] = (f8)_mm256_fmadd_ps((__m256)(h[q] + l[q]), _mm256_set1_ps(neg_lr_wd), (__m256)d[q]);
+      SDPQ_EACH d[q] = fma8(h[q] + l[q], f8{} + neg_lr_wd, d[q]);
     }
     SDPQ_EACH s[q] = (f8)round_bits(h[q] + d[q]);
     SDPQ_EACH l1[q] = (f8)round_bits(l[q] + (d[q] - (s[q] - h[q])));

@@ -17,6 +17,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
+
 // Small vector helpers are always inlined: a call would pass 8-lane arguments through memory.
 #define SDPQ_INLINE inline __attribute__((always_inline))
 
@@ -74,6 +78,11 @@ SDPQ_INLINE bool any_lane(i8 mask) {
   return t[0] != 0;
 }
 
+#ifdef __FMA__
+// a * b + c rounded once, on 8 lanes (the build keeps -ffp-contract=off: only where written).
+SDPQ_INLINE f8 fma8(f8 a, f8 b, f8 c) { return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#endif
+
 // ---------------------------------------------------------------------------- conversions
 
 SDPQ_INLINE uint32_t bits_of(float x) {
@@ -90,10 +99,16 @@ SDPQ_INLINE float float_of(uint32_t u) {
 
 SDPQ_INLINE float bf16_to_float(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
 
+// The fp32 bits u plus the bias that rounds them to nearest even at bit 16: the bf16 value is
+// the result's top 16 bits (u: uint32_t, or 8 int32 lanes).
+template <typename U>
+SDPQ_INLINE U bf16_rounding_add(U u) {
+  return u + 0x7FFF + ((u >> 16) & 1);
+}
+
 // Round to nearest even, NaN kept (as c10::BFloat16).
 SDPQ_INLINE uint16_t float_to_bf16(float f) {
-  const uint32_t u = bits_of(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t rounded = bf16_rounding_add(bits_of(f)) >> 16;
   return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
 }
 
