@@ -230,14 +230,12 @@ void fp8_moment(const Moment& s, const Tiling& t, const Tile& tile, const float*
     uint8_t* codes = s.codes + r * t.C + tile.c0;
     float* xr = x + (r - tile.r0) * W;
     decode_constants(s.scale + meta, s.k + meta, s.gm + meta, groups, inv_k, bias);
-    for (int64_t j = 0; j < groups; ++j) {
-      decode_group<F>(codes + j * G, std::min(G, W - j * G), inv_k[j], bias[j], xr + j * G);
-    }
+    decode_row<F>(codes, W, G, groups, inv_k, bias, xr);
     update(xr, g + (r - tile.r0) * W, W);
     for (int64_t j = 0; j < groups; ++j) group_range(xr + j * G, std::min(G, W - j * G), mx + j, mn + j);
     encode_constants<F>(mx, mn, groups, s.scale + meta, s.k + meta, s.gm + meta, bias);
     for (int64_t j = 0; j < groups; ++j) {
-      encode_group<F>(xr + j * G, std::min(G, W - j * G), s.k[meta + j], bias[j], codes + j * G);
+      encode_group<F>(xr + j * G, std::min(G, W - j * G), s.k[meta + j], bias[j], mn[j], codes + j * G);
     }
   }
 }

@@ -62,26 +62,36 @@ struct FieldLog2 {  // log2(1 + m 2^-M) and log2(m 2^(1 - bias - M)) for each ma
 
 // The same decoding with the exponent and mantissa fields apart: code (e, m) decodes to
 // 2^((e - bias_F) / k + bias) 2^(log2(1 + m 2^-M) / k), or 2^(log2(m 2^(1 - bias_F - M)) / k +
-// bias) for e = 0. The group's 2^(7-M) + 16 factors fill vector registers and every element is
-// looked up with vpermps: no exp2 and no gather per element (Zen 3 and older run gathers no
-// faster than scalar loads). The exponents round differently from exp2(log2|c| / k + bias), by
-// about |log2 y| ulp like the reference's own; the product adds ~2 ulp while every factor is a
-// normal number, so groups reaching below 2^-126 (or with a non-finite bias) are left to
-// decode_elementwise. Returns how many elements were decoded.
+// bias) for e = 0. A group's 2^(7-M) + 16 factors (DecodeTable) fill vector registers and every
+// element is looked up with vpermps: no exp2 and no gather per element (Zen 3 and older run
+// gathers no faster than scalar loads). The exponents round differently from exp2(log2|c| / k +
+// bias), by about |log2 y| ulp like the reference's own; the product adds ~2 ulp while every
+// factor is a normal number, so groups reaching below 2^-126 (or with a non-finite bias) are left
+// to decode_elementwise.
 template <class F>
-int64_t decode_avx2(const uint8_t* c, int64_t n, float inv_k, float bias, float* y) {
-  constexpr int M = F::kMant, kExponents = 1 << (7 - M), kChunks = kExponents / 8;
-  static const FieldLog2<F> fields;
-  alignas(32) float e_tab[kExponents], m_tab[8], s_tab[8];
-  for (int i = 0; i < kExponents; ++i) e_tab[i] = fast_exp2(static_cast<float>(i - F::kBias) * inv_k + bias);
-  for (int i = 0; i < 8; ++i) {
-    m_tab[i] = fast_exp2(fields.normal[i] * inv_k);
-    s_tab[i] = fast_exp2(fields.sub[i] * inv_k + bias);
+struct DecodeTable {
+  static constexpr int kExponents = 1 << (7 - F::kMant);
+  alignas(32) float e[kExponents], m[8], s[8];
+
+  // Fills the factors; false when the group must be decoded elementwise.
+  SDPQ_ADAMW_INLINE bool build(float inv_k, float bias) {
+    static const FieldLog2<F> fields;
+    for (int i = 0; i < kExponents; ++i) e[i] = fast_exp2(static_cast<float>(i - F::kBias) * inv_k + bias);
+    for (int i = 0; i < 8; ++i) {
+      m[i] = fast_exp2(fields.normal[i] * inv_k);
+      s[i] = fast_exp2(fields.sub[i] * inv_k + bias);
+    }
+    return std::isfinite(bias) && s[1] >= 0x1p-126f;  // s[1]: the smallest value
   }
-  if (!(std::isfinite(bias) && s_tab[1] >= 0x1p-126f)) return 0;  // s_tab[1]: the smallest value
+};
+
+// Decodes the first n - n % 8 values with the table; returns how many.
+template <class F>
+int64_t decode_avx2(const DecodeTable<F>& t, const uint8_t* c, int64_t n, float* y) {
+  constexpr int M = F::kMant, kChunks = DecodeTable<F>::kExponents / 8;
   __m256 e_vec[kChunks];
-  for (int j = 0; j < kChunks; ++j) e_vec[j] = _mm256_load_ps(e_tab + 8 * j);
-  const __m256 m_vec = _mm256_load_ps(m_tab), s_vec = _mm256_load_ps(s_tab);
+  for (int j = 0; j < kChunks; ++j) e_vec[j] = _mm256_load_ps(t.e + 8 * j);
+  const __m256 m_vec = _mm256_load_ps(t.m), s_vec = _mm256_load_ps(t.s);
   const __m256i low7 = _mm256_set1_epi32(0x7F), mant = _mm256_set1_epi32((1 << M) - 1);
   const __m256i last_finite = _mm256_set1_epi32(F::kFirstSpecial - 1), inf_code = _mm256_set1_epi32(F::kInfCode);
   const __m256 special = _mm256_set1_ps(kNaN), inf = _mm256_set1_ps(kInf);
@@ -107,13 +117,29 @@ int64_t decode_avx2(const uint8_t* c, int64_t n, float inv_k, float bias, float*
 }
 #endif
 
+// Decodes a row of `groups` groups of G codes (the last one n - (groups - 1) G long) into y.
+// Note: the tables of 8 groups are built before any of them is used. Built one group at a time,
+// each table's exp2 chains waited behind the previous group's lookups; 8 independent builds
+// overlap, and the build had cost as much as a third of the decode.
 template <class F>
-void decode_group(const uint8_t* c, int64_t n, float inv_k, float bias, float* y) {
-  int64_t done = 0;
+void decode_row(const uint8_t* c, int64_t n, int64_t G, int64_t groups, const float* inv_k, const float* bias,
+                float* y) {
+  for (int64_t j0 = 0; j0 < groups; j0 += 8) {
+    const int64_t j1 = std::min(groups, j0 + 8);
 #ifdef __AVX2__
-  done = decode_avx2<F>(c, n, inv_k, bias, y);
+    DecodeTable<F> tables[8];
+    bool ok[8];
+    for (int64_t j = j0; j < j1; ++j) ok[j - j0] = tables[j - j0].build(inv_k[j], bias[j]);
 #endif
-  decode_elementwise<F>(c + done, n - done, inv_k, bias, y + done);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t len = std::min(G, n - j * G);
+      int64_t done = 0;
+#ifdef __AVX2__
+      if (ok[j - j0]) done = decode_avx2<F>(tables[j - j0], c + j * G, len, y + j * G);
+#endif
+      decode_elementwise<F>(c + j * G + done, len - done, inv_k[j], bias[j], y + j * G + done);
+    }
+  }
 }
 
 // max |x| (inf or NaN when the group holds one: NaN's bits order above inf's) and the minimum
@@ -172,7 +198,9 @@ void encode_constants(const float* mx, const float* mn, int64_t groups, float* _
 // vector's chain is ~40 dependent operations; written one vector after the other (as the
 // compiler emits the vectorized scalar loop), the out-of-order window held about two of them and
 // the loop ran at ~1 operation per cycle.
-template <class F, int Q>
+// kTiny: the group holds subnormal values (scaled by 2^23 first, as log2_positive does); groups
+// without them skip that step.
+template <class F, int Q, bool kTiny>
 SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[Q]) {
   constexpr int kShift = 23 - F::kMant;
   const f8 magic = f8{} + 0x1.8p23f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -181,12 +209,18 @@ SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[
 #define SDPQ_EACH _Pragma("GCC unroll 16") for (int q = 0; q < Q; ++q)
   SDPQ_EACH ux[q] = (i8)loadu(x + 8 * q) & 0x7FFFFFFF;
   SDPQ_EACH {  // log2_positive: x = 2^e m, m in [sqrt(1/2), sqrt(2)), subnormals scaled by 2^23
-    const i8 tiny = ux[q] < 0x00800000;
-    const i8 u = (i8)((f8)ux[q] * (tiny ? f8{} + 0x1p23f : f8{} + 1.0f));
-    const i8 ex = (u - 0x3F3504F3) >> 23;
+    i8 u = ux[q], ex;
+    if (kTiny) {
+      const i8 tiny = ux[q] < 0x00800000;
+      u = (i8)((f8)ux[q] * (tiny ? f8{} + 0x1p23f : f8{} + 1.0f));
+      ex = (u - 0x3F3504F3) >> 23;
+      e[q] = ex - (tiny & 23);
+    } else {
+      ex = (u - 0x3F3504F3) >> 23;
+      e[q] = ex;
+    }
     const f8 m = (f8)(u - (ex << 23));
     t[q] = (m - 1.0f) / (m + 1.0f);
-    e[q] = ex - (tiny & 23);
   }
   SDPQ_EACH t2[q] = t[q] * t[q];
   SDPQ_EACH p[q] = fma8(fma8(fma8(f8{} + 0x1.ba18fap-2f, t2[q], f8{} + 0x1.27471cp-1f), t2[q], f8{} + 0x1.ec70e6p-1f),
@@ -204,7 +238,7 @@ SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[
   SDPQ_EACH p[q] = fma8(p[q], y[q], f8{} + 0x1.62e430p-1f);
   SDPQ_EACH p[q] = fma8(p[q], y[q], f8{} + 1.0f);
   SDPQ_EACH {
-    i8 mag = (i8)p[q] + (((i8)sh[q] - (i8)magic) << 23);
+    i8 mag = (i8)p[q] + ((i8)sh[q] << 23);  // the magic's bits end in 9 zero bits: n << 23
     const i8 fmax = i8{} + static_cast<int32_t>(bits_of(F::kMax));
     mag = mag < fmax ? mag : fmax;
     const i8 sub = (i8)((f8)mag + F::kDenormAdd) - static_cast<int32_t>(bits_of(F::kDenormAdd));
@@ -217,14 +251,14 @@ SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[
 }
 
 // Codes of the first n - n % 64 values; returns how many.
-template <class F>
+template <class F, bool kTiny>
 int64_t encode_avx2(const float* x, int64_t n, float k, float bias, uint8_t* codes) {
   constexpr int Q = 8;
   const f8 vk = f8{} + k, vb = f8{} + bias;
   int64_t i = 0;
   for (; i + 8 * Q <= n; i += 8 * Q) {
     i8 c[Q];
-    encode_lockstep<F, Q>(x + i, vk, vb, c);
+    encode_lockstep<F, Q, kTiny>(x + i, vk, vb, c);
     for (int h = 0; h < Q; h += 2) {  // codes 0..255: saturating packs keep them; dwords back in order
       const __m256i w = _mm256_packus_epi32((__m256i)c[h], (__m256i)c[h + 1]);
       const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w, w), _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
@@ -238,15 +272,17 @@ int64_t encode_avx2(const float* x, int64_t n, float k, float bias, uint8_t* cod
 // code = fp8(sign(x) min(exp2(k log2|x| + bias), fmax)). For x != 0, k log2|x| + bias =
 // k (log2|x| - log2 mx) + log2 fmax lies in [1 - log2 fmax, log2 fmax] (k log2 R <= 2 log2 fmax
 // - 1): exp2 stays normal. Zeros (log2 = -inf in the reference) give code 0 with their sign; a
-// NaN bias (non-finite group) gives NaN codes, 0x7F | sign as torch converts NaN.
+// NaN bias (non-finite group) gives NaN codes, 0x7F | sign as torch converts NaN. mn: the
+// group's smallest non-zero |x| (group_range); below 2^-126 the vector path takes subnormals.
 template <class F>
-void encode_group(const float* x, int64_t n, float k, float bias, uint8_t* codes) {
+void encode_group(const float* x, int64_t n, float k, float bias, float mn, uint8_t* codes) {
   if (bias != bias) {
     for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(0x7Fu | ((bits_of(x[i]) >> 24) & 0x80u));
     return;
   }
 #if defined(__AVX2__) && defined(__FMA__)
-  const int64_t done = encode_avx2<F>(x, n, k, bias, codes);
+  const bool tiny = bits_of(mn) < 0x00800000u;
+  const int64_t done = tiny ? encode_avx2<F, true>(x, n, k, bias, codes) : encode_avx2<F, false>(x, n, k, bias, codes);
   x += done;
   codes += done;
   n -= done;
