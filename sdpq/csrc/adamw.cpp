@@ -254,9 +254,9 @@ void moment_step(const Moment& s, const Tiling& t, const Tile& tile, const float
     update(x, g, n);
     for (int64_t i = 0; i < n; ++i) s.hi[off + i] = float_to_bf16(x[i]);
   } else {  // fp32 (a pair v takes pair_second_moment)
-    std::memcpy(x, s.f32 + off, n * sizeof(float));
+    copy_floats(x, s.f32 + off, n);
     update(x, g, n);
-    std::memcpy(s.f32 + off, x, n * sizeof(float));
+    copy_floats(s.f32 + off, x, n);
   }
 }
 

@@ -103,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_rows(
         }
         if (had.B > 1) had.forward(v, len);
       }
-      if (own_dst) std::memcpy(own_dst, vals, len * sizeof(float));
+      if (own_dst) copy_floats(own_dst, vals, len);
       for (int64_t g0 = 0; g0 < len; g0 += spec.G) {
         const int64_t glen = std::min<int64_t>(spec.G, len - g0);
         const int64_t gi = spec.group_of(pos0 + g0);
@@ -206,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_rows(
         const bool last = k == R - 1 && k > 0;
         if (k == own_row) {
           if (k == 0) {
-            std::memcpy(acc, ownp + c0, len * sizeof(float));
+            copy_floats(acc, ownp + c0, len);
           } else if (last) {
             combine<Into::kAddExtra>(acc, ownp + c0, len, extra);
           } else {

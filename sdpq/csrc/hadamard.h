@@ -129,7 +129,7 @@ struct Hadamard {
   // dst[0:len] = the transform of src[0:len] (dst may be src).
   void forward(const float* src, float* dst, int64_t len) const {
     if (try_registers<true>(src, dst, len)) return;
-    if (dst != src) std::memcpy(dst, src, len * sizeof(float));
+    if (dst != src) copy_floats(dst, src, len);
     forward(dst, len);
   }
 
