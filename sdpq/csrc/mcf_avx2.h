@@ -34,7 +34,7 @@ SDPQ_INLINE i8 round_bits(f8 f) {
 SDPQ_INLINE i8 round_bits_nan(f8 f) { return f != f ? i8{} + 0x7FC00000 : round_bits(f); }
 
 // Elements [0, n - n % (8 Q)) of mcf_weights<kDecay>; returns how many.
-template <bool kDecay, int Q = 4>
+template <bool kDecay, int Q = 8>
 int64_t mcf_weights_avx2(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int64_t n, float bc2,
                          float eps, float neg_step, float neg_lr_wd) {
   static_assert(Q % 2 == 0, "bf16 stores take two vectors");
