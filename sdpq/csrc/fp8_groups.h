@@ -209,18 +209,16 @@ SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[
 #define SDPQ_EACH _Pragma("GCC unroll 16") for (int q = 0; q < Q; ++q)
   SDPQ_EACH ux[q] = (i8)loadu(x + 8 * q) & 0x7FFFFFFF;
   SDPQ_EACH {  // log2_positive: x = 2^e m, m in [sqrt(1/2), sqrt(2)), subnormals scaled by 2^23
-    i8 u = ux[q], ex;
+    i8 u = ux[q], rescaled = {};
     if (kTiny) {
       const i8 tiny = ux[q] < 0x00800000;
       u = (i8)((f8)ux[q] * (tiny ? f8{} + 0x1p23f : f8{} + 1.0f));
-      ex = (u - 0x3F3504F3) >> 23;
-      e[q] = ex - (tiny & 23);
-    } else {
-      ex = (u - 0x3F3504F3) >> 23;
-      e[q] = ex;
+      rescaled = tiny & 23;
     }
+    const i8 ex = (u - 0x3F3504F3) >> 23;
     const f8 m = (f8)(u - (ex << 23));
     t[q] = (m - 1.0f) / (m + 1.0f);
+    e[q] = ex - rescaled;
   }
   SDPQ_EACH t2[q] = t[q] * t[q];
   SDPQ_EACH p[q] = fma8(fma8(fma8(f8{} + 0x1.ba18fap-2f, t2[q], f8{} + 0x1.27471cp-1f), t2[q], f8{} + 0x1.ec70e6p-1f),
