@@ -5,7 +5,7 @@
 #include "hadamard.h"
 #include "simd.h"
 
-#ifdef __AVX2__
+#ifdef __AVX__
 #include <immintrin.h>
 #endif
 
@@ -78,7 +78,17 @@ typedef uint8_t b32 __attribute__((vector_size(32)));
 template <bool stochastic>
 SDPQ_INLINE i8 quantize_vector(f8 x, f8 scale, float qmax, uint32_t seed, uint64_t pos) {
   const u8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const f8 hi = f8{} + qmax, lo = f8{} - qmax;
   f8 y = x / scale;
+#ifdef __AVX__
+  // Note: clamping to the integers +-qmax commutes with rounding, so the rounding can be the
+  // conversion's own: vcvtps2dq rounds to nearest even (the default MXCSR mode, which the
+  // 1.5 * 2^23 trick of round_even relies on too), vroundps floors exactly.
+  if (stochastic) y = (f8)_mm256_floor_ps((__m256)(y + uniform01(seed, pos, lane)));
+  y = y > hi ? hi : y;
+  y = y < lo ? lo : y;
+  return stochastic ? __builtin_convertvector(y, i8) : (i8)_mm256_cvtps_epi32((__m256)y);
+#else
   if (stochastic) {  // floor(y + u) = r - (r > z), r = the rounded z
     const f8 z = y + uniform01(seed, pos, lane);
     const f8 r = round_even(z);
@@ -86,10 +96,10 @@ SDPQ_INLINE i8 quantize_vector(f8 x, f8 scale, float qmax, uint32_t seed, uint64
   } else {
     y = round_even(y);
   }
-  const f8 hi = f8{} + qmax, lo = f8{} - qmax;
   y = y > hi ? hi : y;
   y = y < lo ? lo : y;
   return __builtin_convertvector(y, i8);
+#endif
 }
 
 // The 8 codes c packed into codes (8 bytes at 8 bits, 4 bytes at 4 bits: element 2k in the
