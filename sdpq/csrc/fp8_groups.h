@@ -73,15 +73,23 @@ struct DecodeTable {
   static constexpr int kExponents = 1 << (7 - F::kMant);
   alignas(32) float e[kExponents], m[8], s[8];
 
-  // Fills the factors; false when the group must be decoded elementwise.
+  // Fills the factors; false when the group must be decoded elementwise: a non-finite bias, a
+  // smallest factor s[1] below 2^-126, or a largest exponent factor past 2^125.
+  // Note: the factors a group uses all lie between those two, so they are normal numbers and
+  // exp2_normal (2^n placed in the exponent bits) gives fast_exp2's values at fewer operations.
+  // e[0] goes unused (e = 0 codes take s) and s[0], the zero code's, is set apart.
   SDPQ_ADAMW_INLINE bool build(float inv_k, float bias) {
     static const FieldLog2<F> fields;
-    for (int i = 0; i < kExponents; ++i) e[i] = fast_exp2(static_cast<float>(i - F::kBias) * inv_k + bias);
+    const float top = static_cast<float>(kExponents - 1 - F::kBias) * inv_k + bias;
+    if (!(std::isfinite(bias) && fast_exp2(fields.sub[1] * inv_k + bias) >= 0x1p-126f && top <= 125.0f)) return false;
+    for (int i = 0; i < kExponents; ++i) e[i] = exp2_normal(static_cast<float>(i - F::kBias) * inv_k + bias);
     for (int i = 0; i < 8; ++i) {
-      m[i] = fast_exp2(fields.normal[i] * inv_k);
-      s[i] = fast_exp2(fields.sub[i] * inv_k + bias);
+      m[i] = exp2_normal(fields.normal[i] * inv_k);
+      s[i] = exp2_normal(select(i & ((1 << F::kMant) - 1), fields.sub[i], 0.0f) * inv_k + bias);
     }
-    return std::isfinite(bias) && s[1] >= 0x1p-126f;  // s[1]: the smallest value
+    e[0] = 1.0f;  // any normal number: its products are blended away
+    s[0] = 0.0f;
+    return true;
   }
 };
 
