@@ -55,7 +55,8 @@ SDPQ_INLINE void quantize_groups(int64_t n, const Spec& sp, uint8_t* row, int64_
       m = a > m ? a : m;
       isnan |= r[k] != r[k];
     }
-    if (kBehind && g > 0) encode(g - 1, [&](int k) { return loadu(parked[(g - 1) & 1] + 8 * k); }, prev_safe, prev_finite);
+    const float* prev = parked[(g - 1) & 1];
+    if (kBehind && g > 0) encode(g - 1, [&](int k) { return loadu(prev + 8 * k); }, prev_safe, prev_finite);
     const GroupScale gs(max_lane(m), any_lane(isnan), sp);
     gs.write(sp, row + cb + (gi0 + g) * sp.scale_size);
     bad |= !gs.finite;
@@ -63,7 +64,8 @@ SDPQ_INLINE void quantize_groups(int64_t n, const Spec& sp, uint8_t* row, int64_
     prev_safe = gs.safe;
     prev_finite = gs.finite;
   }
-  if (kBehind && n > 0) encode(n - 1, [&](int k) { return loadu(parked[(n - 1) & 1] + 8 * k); }, prev_safe, prev_finite);
+  const float* last = parked[(n - 1) & 1];
+  if (kBehind && n > 0) encode(n - 1, [&](int k) { return loadu(last + 8 * k); }, prev_safe, prev_finite);
 }
 
 // Transform and encode src[0:len] (whole groups; group gi0 onwards of a wire row whose scales
@@ -187,7 +189,7 @@ inline bool sum_quantize(const RowSum& rows, const Spec& enc, int64_t c0, int64_
   return with_block(enc.G, [&](auto nv) {
     constexpr int NV = decltype(nv)::value;
     quantize_groups<NV, false>(len / enc.G, enc, row, cb, gi0, static_cast<uint64_t>(c0), seed, keep, bad,
-                        [&](int64_t g, f8(&r)[NV]) { rows.load<NV>(c0 + g * enc.G, r); });
+                               [&](int64_t g, f8(&r)[NV]) { rows.load<NV>(c0 + g * enc.G, r); });
     return true;
   });
 }

@@ -288,7 +288,8 @@ void encode_group(const float* x, int64_t n, float k, float bias, float mn, uint
   }
 #if defined(__AVX2__) && defined(__FMA__)
   const bool tiny = bits_of(mn) < 0x00800000u;
-  const int64_t done = tiny ? encode_avx2<F, true>(x, n, k, bias, codes) : encode_avx2<F, false>(x, n, k, bias, codes);
+  const int64_t done =
+      tiny ? encode_avx2<F, true>(x, n, k, bias, codes) : encode_avx2<F, false>(x, n, k, bias, codes);
   x += done;
   codes += done;
   n -= done;
