@@ -66,8 +66,8 @@ struct FieldLog2 {  // log2(1 + m 2^-M) and log2(m 2^(1 - bias - M)) for each ma
 // element is looked up with vpermps: no exp2 and no gather per element (Zen 3 and older run
 // gathers no faster than scalar loads). The exponents round differently from exp2(log2|c| / k +
 // bias), by about |log2 y| ulp like the reference's own; the product adds ~2 ulp while every
-// factor is a normal number, so groups reaching below 2^-126 (or with a non-finite bias) are left
-// to decode_elementwise.
+// factor is a normal number, so groups whose factors may not be (DecodeTable::build says which)
+// are left to decode_elementwise.
 template <class F>
 struct DecodeTable {
   static constexpr int kExponents = 1 << (7 - F::kMant);
