@@ -314,15 +314,17 @@ void native_weights(T* w, const float* m, const float* sq, int64_t n, const Hype
   }
 }
 
-// MCF master: one Grow of (w, lo) by -step_size m / denom [- lr wd (w + lo)].
-template <bool kDecay>
-void mcf_weights(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int64_t n, const Hyper& h) {
+// MCF master: one Grow of (w, lo) by -step_size m / denom [- lr wd (w + lo)]. kSqrt: v holds the
+// second moment and its IEEE sqrt is taken here (the divider is idle in this loop otherwise),
+// else v already holds sqrt(v).
+template <bool kDecay, bool kSqrt>
+void mcf_weights(uint16_t* w, uint16_t* lo, const float* m, const float* v, int64_t n, const Hyper& h) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  i = mcf_weights_avx2<kDecay>(w, lo, m, sq, n, h.bc2, h.eps, h.neg_step, h.neg_lr_wd);
+  i = mcf_weights_avx2<kDecay, kSqrt>(w, lo, m, v, n, h.bc2, h.eps, h.neg_step, h.neg_lr_wd);
 #endif
   for (; i < n; ++i) {
-    const float denom = sq[i] / h.bc2 + h.eps;
+    const float denom = (kSqrt ? std::sqrt(v[i]) : v[i]) / h.bc2 + h.eps;
     const float hi = bf16_to_float(w[i]), l = bf16_to_float(lo[i]);
     const float d = (m[i] / denom) * h.neg_step;
     const Bf16Pair q = grow(hi, l, kDecay ? fmadd(hi + l, h.neg_lr_wd, d) : d);
@@ -331,17 +333,24 @@ void mcf_weights(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int
   }
 }
 
-// The weight update of one tile (m and sq = sqrt(v) in fp32).
-void weights(const at::Tensor& param, const at::Tensor& lo, int64_t off, int64_t n, const float* m,
-             const float* sq, const Hyper& h) {
+// The weight update of one tile from m and v in fp32 (v is overwritten by sqrt(v) where the
+// sqrt is not fused into the update).
+void weights(const at::Tensor& param, const at::Tensor& lo, int64_t off, int64_t n, const float* m, float* v,
+             bool ieee_sqrt, const Hyper& h) {
+  if (lo.defined() && ieee_sqrt) {
+    uint16_t *w = bf16_ptr(param) + off, *l = bf16_ptr(lo) + off;
+    h.wd ? mcf_weights<true, true>(w, l, m, v, n, h) : mcf_weights<false, true>(w, l, m, v, n, h);
+    return;
+  }
+  sqrt_inplace(v, n, ieee_sqrt);
   if (lo.defined()) {
     uint16_t *w = bf16_ptr(param) + off, *l = bf16_ptr(lo) + off;
-    h.wd ? mcf_weights<true>(w, l, m, sq, n, h) : mcf_weights<false>(w, l, m, sq, n, h);
+    h.wd ? mcf_weights<true, false>(w, l, m, v, n, h) : mcf_weights<false, false>(w, l, m, v, n, h);
     return;
   }
   dispatch_float(param.scalar_type(), "param", [&](auto t) {
     auto* w = param.data_ptr<decltype(t)>() + off;
-    h.wd ? native_weights<true>(w, m, sq, n, h) : native_weights<false>(w, m, sq, n, h);
+    h.wd ? native_weights<true>(w, m, v, n, h) : native_weights<false>(w, m, v, n, h);
   });
 }
 
@@ -365,8 +374,7 @@ void step_tile(const Step& s, const Tile& tile, const Scratch& b) {
   } else {
     moment_step(s.v, s.tiling, tile, b.g, b.v, b.groups, SecondMoment{s.h.b2, s.h.c2});
   }
-  sqrt_inplace(b.v, n, is_fp8(s.m.fmt) || is_fp8(s.v.fmt));
-  weights(s.param, s.lo, off, n, b.m, b.v, s.h);
+  weights(s.param, s.lo, off, n, b.m, b.v, is_fp8(s.m.fmt) || is_fp8(s.v.fmt), s.h);
 }
 
 void adamw_step(const at::Tensor& param, const std::optional<at::Tensor>& param_lo, const at::Tensor& grad,

@@ -34,7 +34,7 @@ SDPQ_INLINE i8 round_bits(f8 f) {
 SDPQ_INLINE i8 round_bits_nan(f8 f) { return f != f ? i8{} + 0x7FC00000 : round_bits(f); }
 
 // Elements [0, n - n % (8 Q)) of mcf_weights<kDecay>; returns how many.
-template <bool kDecay, int Q = 8>
+template <bool kDecay, bool kSqrt, int Q = 8>
 int64_t mcf_weights_avx2(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int64_t n, float bc2,
                          float eps, float neg_step, float neg_lr_wd) {
   static_assert(Q % 2 == 0, "bf16 stores take two vectors");
@@ -43,7 +43,10 @@ int64_t mcf_weights_avx2(uint16_t* w, uint16_t* lo, const float* m, const float*
     f8 h[Q], l[Q], d[Q], s[Q], l1[Q];
     i8 hi[Q], out_lo[Q];
 #define SDPQ_EACH _Pragma("GCC unroll 8") for (int q = 0; q < Q; ++q)
-    SDPQ_EACH d[q] = loadu(sq + i + 8 * q) / bc2 + eps;  // denom
+    SDPQ_EACH {
+      const f8 v = loadu(sq + i + 8 * q);
+      d[q] = (kSqrt ? (f8)_mm256_sqrt_ps((__m256)v) : v) / bc2 + eps;  // denom
+    }
     SDPQ_EACH d[q] = (loadu(m + i + 8 * q) / d[q]) * neg_step;
     SDPQ_EACH {
       h[q] = load_bf16x8(w + i + 8 * q);
