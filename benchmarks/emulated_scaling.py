@@ -53,7 +53,7 @@ def _job(cluster: EmulatedNodes, backend: str, block: dict | None, args, work: P
     out = work / f"{name}.json"
     cmd = ["-m", "sdpq.train", "--backend", backend, "--bf16", "--steps", str(args.steps), "--d-model",
            str(args.d_model), "--n-layer", str(args.n_layer), "--micro-batch", str(args.micro_batch),
-           "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
+           "--seq-len", str(args.seq_len), "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
     if block is not None:
         cfg = work / f"{name}.sdpq.json"
         cfg.write_text(json.dumps(block))
@@ -79,7 +79,7 @@ def _loopback_floor(backend: str, args, work: Path) -> dict:
     out = work / f"{backend}-baseline-loopback.json"
     argv = ["-m", "sdpq.train", "--backend", backend, "--bf16", "--steps", str(args.steps), "--d-model",
             str(args.d_model), "--n-layer", str(args.n_layer), "--micro-batch", str(args.micro_batch),
-            "--ranks-per-node", str(RPN), "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
+            "--seq-len", str(args.seq_len), "--ranks-per-node", str(RPN), "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
     t0 = time.monotonic()
     log = work / f"{backend}-baseline-loopback.log"
     code = run_local(argv, NODES * RPN, log=log, timeout=args.timeout)
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=1200, help="per job, seconds")
     ap.add_argument("--verbose", action="store_true", help="show the ranks' output")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "emulated_scaling.json"))

@@ -123,24 +123,16 @@ class WeightGather:
     def gather(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's shard (any float dtype, <= shard_numel elements) -> the full bucket
         (`numel` elements, or `out`'s, which may hold numel or padded_numel elements)."""
-        if shard.numel() > self.shard_numel:
-            raise ValueError(f"shard has {shard.numel()} elements, more than shard_numel {self.shard_numel}")
         with timing.span("weights.gather"):
             dtype = out.dtype if out is not None else self.dtype
             mode = self.config.mode
             # Note: read the shard into a copy before writing `out` (FSDP2 passes a slice of out as
             # the input). fp32 for the quantized modes (differences in fp32), the output dtype for
             # the exact one (bitwise the plain gather, whatever the dtype).
-            w_dtype = dtype if mode == "exact" else torch.float32
-            if shard.numel() == self.shard_numel:
-                w = shard.detach().reshape(-1).to(w_dtype, copy=True)
-            else:
-                w = torch.zeros(self.shard_numel, dtype=w_dtype, device=shard.device)
-                w[: shard.numel()] = shard.detach().reshape(-1)
-            wire_dtype = shard.dtype
+            w = self._shard_copy(shard, dtype if mode == "exact" else torch.float32)
             if mode == "diff":
                 if self.dirty:
-                    self._refresh(w, wire_dtype)
+                    self._refresh(w, shard.dtype)
                 # Note: a padded `out` receives the node-interleaved rows directly (one copy, not two).
                 direct = out is not None and out.numel() == self.padded_numel and out.is_contiguous()
                 full = self._gather_reference(dtype, out.view(-1) if out is not None and direct else None)
@@ -148,14 +140,28 @@ class WeightGather:
                 full = self._gather_direct(w, dtype)
             else:
                 full = self._gather_exact(w, dtype)
-            self.calls += 1
-            if out is None:
-                return full[: self.numel]
-            if out.numel() not in (self.numel, self.padded_numel):
-                raise ValueError(f"out has {out.numel()} elements; expected {self.numel} or {self.padded_numel}")
-            if full.data_ptr() != out.data_ptr():
-                out.view(-1).copy_(full[: out.numel()])
-            return out
+            return self._output(full, out)
+
+    def _shard_copy(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The shard, zero-padded to shard_numel, as a new tensor of `dtype`."""
+        if shard.numel() > self.shard_numel:
+            raise ValueError(f"shard has {shard.numel()} elements, more than shard_numel {self.shard_numel}")
+        if shard.numel() == self.shard_numel:
+            return shard.detach().reshape(-1).to(dtype, copy=True)
+        w = torch.zeros(self.shard_numel, dtype=dtype, device=shard.device)
+        w[: shard.numel()] = shard.detach().reshape(-1)
+        return w
+
+    def _output(self, full: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The gathered bucket as gather() returns it (`full` copied into `out` where it is not out)."""
+        self.calls += 1
+        if out is None:
+            return full[: self.numel]
+        if out.numel() not in (self.numel, self.padded_numel):
+            raise ValueError(f"out has {out.numel()} elements; expected {self.numel} or {self.padded_numel}")
+        if full.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(full[: out.numel()])
+        return out
 
     __call__ = gather
 
@@ -214,6 +220,17 @@ class WeightGather:
     # ------------------------------------------------------------------ diff mode
 
     def _refresh(self, w: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        row = self._refresh_start(w, wire_dtype)
+        if row is not None:
+            with timing.span("comm.weights"):
+                rows, _ = all_gather_rows(row, self.topology.inter_group)
+            self._refresh_finish(w, rows)
+
+    # Note: a refresh in two halves around its inter-node all-gather, so that gather_coalesced
+    # (weights_coalesced.py) can send the rows of several buckets in one collective.
+    def _refresh_start(self, w: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor | None:
+        """Refreshes the reference when that needs no difference exchange (one node, or an exact
+        exchange) and returns None; else returns this rank's encoded row for _refresh_finish."""
         topo, c = self.topology, self.config
         if self.reference is None:
             self.reference = torch.zeros((topo.nodes, self.shard_numel), dtype=self.reference_dtype, device=w.device)
@@ -225,12 +242,33 @@ class WeightGather:
         else:
             if not exact and c.verify_every > 0 and self.version % c.verify_every == 0 and self._mismatch():
                 exact = True
-            if exact:
-                self._exchange_exact(w, wire_dtype)
-            else:
-                self._exchange_diff(w)
+            if not exact:
+                # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
+                ref, gen = self._ref[topo.node].view(1, -1), self._generator(w.device)
+                with timing.span("weights.encode"):
+                    row, _, _ = encode_rows(w.view(1, -1), self.spec, ref=ref, generator=gen)
+                return row.view(-1)
+            self._exchange_exact(w, wire_dtype)
+        self._refresh_done(w)
+        return None
+
+    def _refresh_finish(self, w: torch.Tensor, rows: torch.Tensor) -> None:
+        """Applies the gathered rows [nodes, row bytes] of every holder of R_l."""
+        with timing.span("weights.decode"):
+            # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
+            decode_rows(rows, self.spec, self.shard_numel, self._ref, add=True)
+            nonfinite = bool(wire_nonfinite(rows, self.spec, self.shard_numel))
+        if nonfinite:
+            # An inf/nan weight poisons R_l (and so the gathered weights, visibly); the next
+            # refresh is exact so that the reference recovers once the weights are finite again.
+            self._force_exact = True
+        self._record_refresh(rows.shape[1])
+        self._refresh_done(w)
+
+    def _refresh_done(self, w: torch.Tensor) -> None:
+        topo = self.topology
         if self._rec.sample_due(self.version):
-            own = self.reference[topo.node].float()
+            own = self._ref[topo.node].float()
             self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra", relative_error(own, w))
         self.version += 1
         self.dirty = False
@@ -249,25 +287,6 @@ class WeightGather:
             rows, _ = all_gather_rows(row, topo.inter_group)
         self._ref.copy_(rows.view(wire_dtype).float())
         self._force_exact = False
-        self._record_refresh(row.numel())
-
-    def _exchange_diff(self, w: torch.Tensor) -> None:
-        topo = self.topology
-        # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
-        with timing.span("weights.encode"):
-            row, _, _ = encode_rows(
-                w.view(1, -1), self.spec, ref=self._ref[topo.node].view(1, -1), generator=self._generator(w.device)
-            )
-        with timing.span("comm.weights"):
-            rows, _ = all_gather_rows(row.view(-1), topo.inter_group)
-        with timing.span("weights.decode"):
-            # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
-            decode_rows(rows, self.spec, self.shard_numel, self._ref, add=True)
-            nonfinite = bool(wire_nonfinite(rows, self.spec, self.shard_numel))
-        if nonfinite:
-            # An inf/nan weight poisons R_l (and so the gathered weights, visibly); the next
-            # refresh is exact so that the reference recovers once the weights are finite again.
-            self._force_exact = True
         self._record_refresh(row.numel())
 
     def _record_refresh(self, row_bytes: int) -> None:
@@ -300,19 +319,24 @@ class WeightGather:
         return True
 
     def _gather_reference(self, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
-        topo = self.topology
-        L, nodes, C = topo.ranks_per_node, topo.nodes, self.shard_numel
         # Note: copy=True: the output must never alias the reference (the next refresh edits it).
         src = self._ref.to(dtype, copy=True).reshape(-1)
         with timing.span("comm.weights"):
-            rows, _ = all_gather_rows(src, topo.intra_group)  # [L, nodes * C]
+            rows, _ = all_gather_rows(src, self.topology.intra_group)  # [L, nodes * C]
+        return self._place_reference(rows, into)
+
+    def _place_reference(self, rows: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The gathered references [L, nodes * C] of the node's ranks -> the bucket in global
+        order (into `into` when given)."""
+        topo = self.topology
+        L, nodes, C = topo.ranks_per_node, topo.nodes, self.shard_numel
         if L > 1:
-            itemsize = src.element_size()
+            itemsize = rows.element_size()
             valid = sum(self._valid[n * L + topo.local_rank] for n in range(nodes))
             self._rec.record(
                 "weights",
                 "intra",
-                bytes=(L - 1) * src.numel() * itemsize,
+                bytes=(L - 1) * nodes * C * itemsize,
                 elements=(L - 1) * valid,
                 baseline_bytes=(L - 1) * valid * itemsize,
             )

@@ -11,7 +11,9 @@ What is patched, and why there (DeepSpeed 0.19.8):
   (GatheredParameters, 16-bit state-dict export) read weights and get DeepSpeed's exact gather.
   One `WeightGather` per parameter (keyed by `ds_id`, created on its first gather) holds
   that parameter's node-resident reference: ZeRO-3 gathers a parameter alone or in groups that
-  change with prefetching, so the parameter is the only stable "bucket".
+  change with prefetching, so the parameter is the only stable "bucket". The parameters of one
+  fetch still travel together (`gather_coalesced`): one inter-node collective for their pending
+  differences and one intra-node collective for their references, not two per parameter.
 - weight versions: the reference of a parameter is marked dirty when its partition changes:
   `optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)` (the one place the
   optimizer step writes the partitions, before `_post_step` re-gathers the persistent ones),
@@ -40,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..comm import CommStats, GradReduceScatter, Topology, WeightGather
+from ..comm import CommStats, GradReduceScatter, Topology, WeightGather, gather_coalesced
 from ..comm.agreement import check_agreement
 from ..comm.stats import process_stats
 from ..config import Config
@@ -185,14 +187,21 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             self.weights[p.ds_id] = wg
         return wg
 
-    def _gather_into(self, p) -> None:
-        wg = self._weight_gather(p)
-        shard = p.ds_tensor.data
-        valid = max(0, min(wg.shard_numel, p.ds_numel - self.topology.rank * wg.shard_numel))
-        out = torch.empty(p.ds_numel, dtype=shard.dtype, device=shard.device)
-        # Note: only the valid part of the last partitions: padding must not enter quantization groups.
-        wg.gather(shard.narrow(0, 0, valid), out=out)
-        p.data = out.view(p.ds_shape)
+    def _gather_into(self, params) -> None:
+        """Gathers params (the same list, in the same order, on every rank) into their .data:
+        one inter-node and one intra-node collective for the whole list (gather_coalesced)."""
+        gathers, shards, outs = [], [], []
+        for p in params:
+            wg = self._weight_gather(p)
+            shard = p.ds_tensor.data
+            valid = max(0, min(wg.shard_numel, p.ds_numel - self.topology.rank * wg.shard_numel))
+            gathers.append(wg)
+            # Note: only the valid part of the last partitions: padding must not enter quantization groups.
+            shards.append(shard.narrow(0, 0, valid))
+            outs.append(torch.empty(p.ds_numel, dtype=shard.dtype, device=shard.device))
+        gather_coalesced(gathers, shards, outs)
+        for p, out in zip(params, outs):
+            p.data = out.view(p.ds_shape)
 
     def _all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False):
         status = _status()
@@ -208,8 +217,7 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             from deepspeed.runtime.utils import assert_ints_same_as_other_ranks
 
             assert_ints_same_as_other_ranks([p.ds_id for p in params])
-        for p in params:
-            self._gather_into(p)
+        self._gather_into(params)
         return _Done(params)
 
     def _all_gather(self, orig, owner, param_list=None, async_op=False, hierarchy=0):
@@ -222,8 +230,9 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         mine = {id(p) for p in ours}
         rest = [p for p in plist if id(p) not in mine]
         ret = orig(param_list=rest, async_op=async_op, hierarchy=hierarchy) if rest else ([] if async_op else None)
-        for p in sorted(ours, key=lambda p: p.ds_id):
-            self._gather_into(p)
+        ours.sort(key=lambda p: p.ds_id)
+        self._gather_into(ours)
+        for p in ours:
             p.ds_status = status.AVAILABLE
         return ret
 
@@ -306,9 +315,8 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
     def _regather_available(self) -> None:
         """Re-gather the parameters DeepSpeed keeps gathered (after their references changed)."""
         status = _status()
-        for p in sorted(self.params.values(), key=lambda p: p.ds_id):
-            if p.ds_status == status.AVAILABLE:
-                self._gather_into(p)
+        available = [p for p in self.params.values() if p.ds_status == status.AVAILABLE]
+        self._gather_into(sorted(available, key=lambda p: p.ds_id))
 
 
 def _unalias(z, i: int, master, compute, ds_id, requires_grad: bool) -> None:
