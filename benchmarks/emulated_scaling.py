@@ -20,9 +20,14 @@ compute floor, printed as its own row; ``sdpq_vs_floor`` is the sdpq step time o
 
 Note: on this 2-core CPU machine the 4 ranks share 2 cores, so compute is far slower relative to
 the network than on GPUs; the ratios show where the link is the bottleneck here, and
-``sdpq bench scaling`` models GPU clusters.
+``sdpq bench scaling`` models GPU clusters. How slow depends on the CPU: without bf16 arithmetic
+(AVX2 only) a bf16 step of the default job takes ~9 s, and the baseline hides its 200 Mbit/s
+traffic behind that compute. ``--micro-batch 1 --seq-len 16`` (the same GPT, the same bytes per
+step, 1/32 of the tokens) brings the compute floor back to ~0.4-0.45 of the baseline's 200 Mbit/s
+step, the proportion of the first table in benchmarks/RESULTS.md (measured where bf16 was fast).
 
     .venv/bin/python benchmarks/emulated_scaling.py                    # ~15 min on 2 cores, needs root
+    .venv/bin/python benchmarks/emulated_scaling.py --steps 20 --micro-batch 1 --seq-len 16   # ~7 min
     .venv/bin/python benchmarks/emulated_scaling.py --steps 4 --bandwidths 1gbit --d-model 64   # smoke
 """
 
