@@ -8,7 +8,7 @@
 //   g  <- the gradient
 //   m  <- decode, lerp toward g, encode back          (E4M3 / E5M2 with COAT expansion, bf16, fp32)
 //   v  <- decode, b2 v + (1 - b2) g^2, encode back    (the same formats, or an MCF bf16 pair)
-//   v  <- sqrt(v)                                      (see sqrt_inplace)
+//   v  <- sqrt(v)                                      (sqrt_inplace, or inside the MCF update)
 //   w  <- w (1 - lr wd) - step_size m / denom          (native fp32 / bf16 / fp16 parameter)
 //      or Grow (w, lo) by the decay and the step       (MCF master: bf16 parameter + bf16 lo)
 // m and v enter the weight update unquantized, as in the reference.
