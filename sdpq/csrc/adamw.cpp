@@ -172,13 +172,6 @@ struct FirstMoment {  // m.lerp_(g, w): torch's formula for w < 0.5 and for w >=
   }
 };
 
-struct SecondMoment {  // v.mul_(b2).addcmul_(g, g, value=c2)
-  float b2, c2;
-  void operator()(float* x, const float* g, int64_t n) const {
-    for (int64_t i = 0; i < n; ++i) x[i] = fmadd(c2 * g[i], g[i], x[i] * b2);
-  }
-};
-
 // ---------------------------------------------------------------------------- tiles
 
 // Tiles: whole rows (rows_per of them) when a row fits in kTile, else row segments of `width`
@@ -219,19 +212,26 @@ Tile tile_at(const Tiling& t, int64_t i) {
   return {r0, std::min(t.R, r0 + t.rows_per), c0, std::min(t.C, c0 + t.width)};
 }
 
-// One FP8 moment over a tile, row by row: decode, update, encode back. tmp: 4 floats per group.
-template <class F, class Update>
-void fp8_moment(const Moment& s, const Tiling& t, const Tile& tile, const float* g, float* x, float* tmp,
-                const Update& update) {
+// One FP8 moment of a tile, row by row, into fp32 x and back. tmp: 4 floats per group.
+template <class F>
+void fp8_decode(const Moment& s, const Tiling& t, const Tile& tile, float* x, float* tmp) {
   const int64_t W = tile.c1 - tile.c0, G = t.G, groups = (W + G - 1) / G;
-  float *inv_k = tmp, *bias = tmp + groups, *mx = tmp + 2 * groups, *mn = tmp + 3 * groups;
+  float *inv_k = tmp, *bias = tmp + groups;
+  for (int64_t r = tile.r0; r < tile.r1; ++r) {
+    const int64_t meta = r * s.groups + tile.c0 / G;
+    decode_constants(s.scale + meta, s.k + meta, s.gm + meta, groups, inv_k, bias);
+    decode_row<F>(s.codes + r * t.C + tile.c0, W, G, groups, inv_k, bias, x + (r - tile.r0) * W);
+  }
+}
+
+template <class F>
+void fp8_encode(const Moment& s, const Tiling& t, const Tile& tile, const float* x, float* tmp) {
+  const int64_t W = tile.c1 - tile.c0, G = t.G, groups = (W + G - 1) / G;
+  float *bias = tmp + groups, *mx = tmp + 2 * groups, *mn = tmp + 3 * groups;
   for (int64_t r = tile.r0; r < tile.r1; ++r) {
     const int64_t meta = r * s.groups + tile.c0 / G;
     uint8_t* codes = s.codes + r * t.C + tile.c0;
-    float* xr = x + (r - tile.r0) * W;
-    decode_constants(s.scale + meta, s.k + meta, s.gm + meta, groups, inv_k, bias);
-    decode_row<F>(codes, W, G, groups, inv_k, bias, xr);
-    update(xr, g + (r - tile.r0) * W, W);
+    const float* xr = x + (r - tile.r0) * W;
     for (int64_t j = 0; j < groups; ++j) group_range(xr + j * G, std::min(G, W - j * G), mx + j, mn + j);
     encode_constants<F>(mx, mn, groups, s.scale + meta, s.k + meta, s.gm + meta, bias);
     for (int64_t j = 0; j < groups; ++j) {
@@ -240,23 +240,43 @@ void fp8_moment(const Moment& s, const Tiling& t, const Tile& tile, const float*
   }
 }
 
-// Decode the tile's moment into x, update it, encode it back (x keeps the unquantized value).
-template <class Update>
-void moment_step(const Moment& s, const Tiling& t, const Tile& tile, const float* g, float* x, float* tmp,
-                 const Update& update) {
+// The tile's moment (any format but the pair) into fp32 x, and x back into it.
+void decode_moment(const Moment& s, const Tiling& t, const Tile& tile, float* x, float* tmp) {
   const int64_t off = tile.offset(t.C), n = tile.numel();
   if (s.fmt == Fmt::kE4M3) {
-    fp8_moment<E4M3>(s, t, tile, g, x, tmp, update);
+    fp8_decode<E4M3>(s, t, tile, x, tmp);
   } else if (s.fmt == Fmt::kE5M2) {
-    fp8_moment<E5M2>(s, t, tile, g, x, tmp, update);
+    fp8_decode<E5M2>(s, t, tile, x, tmp);
   } else if (s.fmt == Fmt::kBF16) {
     for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_float(s.hi[off + i]);
-    update(x, g, n);
-    for (int64_t i = 0; i < n; ++i) s.hi[off + i] = float_to_bf16(x[i]);
-  } else {  // fp32 (a pair v takes pair_second_moment)
+  } else {
     copy_floats(x, s.f32 + off, n);
-    update(x, g, n);
+  }
+}
+
+void encode_moment(const Moment& s, const Tiling& t, const Tile& tile, const float* x, float* tmp) {
+  const int64_t off = tile.offset(t.C), n = tile.numel();
+  if (s.fmt == Fmt::kE4M3) {
+    fp8_encode<E4M3>(s, t, tile, x, tmp);
+  } else if (s.fmt == Fmt::kE5M2) {
+    fp8_encode<E5M2>(s, t, tile, x, tmp);
+  } else if (s.fmt == Fmt::kBF16) {
+    for (int64_t i = 0; i < n; ++i) s.hi[off + i] = float_to_bf16(x[i]);
+  } else {
     copy_floats(s.f32 + off, x, n);
+  }
+}
+
+// Both moment updates in one pass over the gradient, read in its own dtype: m as FirstMoment,
+// v.mul_(b2).addcmul_(g, g, value=c2) for v (two passes less than converting the gradient first
+// and updating each moment in turn).
+template <bool kSmallW, class T>
+void update_moments(const T* grad, float* m, float* v, int64_t n, const Hyper& h) {
+  const float w = kSmallW ? h.lerp_w : h.lerp_w - 1.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_float(grad[i]);
+    m[i] = kSmallW ? fmadd(w, g - m[i], m[i]) : fmadd(w, g - m[i], g);
+    v[i] = fmadd(h.c2 * g, g, v[i] * h.b2);
   }
 }
 
@@ -365,14 +385,24 @@ struct Step {
 
 void step_tile(const Step& s, const Tile& tile, const Scratch& b) {
   const int64_t off = tile.offset(s.tiling.C), n = tile.numel();
-  dispatch_float(s.grad.scalar_type(), "grad", [&](auto t) {
-    load(s.grad.data_ptr<decltype(t)>() + off, n, b.g);
-  });
-  moment_step(s.m, s.tiling, tile, b.g, b.m, b.groups, FirstMoment{s.h.lerp_w});
-  if (s.v.fmt == Fmt::kPair) {
+  if (s.v.fmt == Fmt::kPair) {  // the pair's update reads the gradient in fp32
+    dispatch_float(s.grad.scalar_type(), "grad", [&](auto t) {
+      load(s.grad.data_ptr<decltype(t)>() + off, n, b.g);
+    });
+    decode_moment(s.m, s.tiling, tile, b.m, b.groups);
+    FirstMoment{s.h.lerp_w}(b.m, b.g, n);
+    encode_moment(s.m, s.tiling, tile, b.m, b.groups);
     pair_second_moment(s.v, off, n, b.g, b.v, s.h);
   } else {
-    moment_step(s.v, s.tiling, tile, b.g, b.v, b.groups, SecondMoment{s.h.b2, s.h.c2});
+    decode_moment(s.m, s.tiling, tile, b.m, b.groups);
+    decode_moment(s.v, s.tiling, tile, b.v, b.groups);
+    dispatch_float(s.grad.scalar_type(), "grad", [&](auto t) {
+      const auto* g = s.grad.data_ptr<decltype(t)>() + off;
+      std::fabs(s.h.lerp_w) < 0.5f ? update_moments<true>(g, b.m, b.v, n, s.h)
+                                   : update_moments<false>(g, b.m, b.v, n, s.h);
+    });
+    encode_moment(s.m, s.tiling, tile, b.m, b.groups);
+    encode_moment(s.v, s.tiling, tile, b.v, b.groups);
   }
   weights(s.param, s.lo, off, n, b.m, b.v, is_fp8(s.m.fmt) || is_fp8(s.v.fmt), s.h);
 }
