@@ -5,9 +5,10 @@
 // lerp, encode, ... each a tensor operation); here every state byte is read once and written
 // once. The parameter is cut into tiles of whole FP8 groups (~8K elements, several rows when
 // rows are short); a tile goes through fp32 buffers that stay in the L2 cache:
-//   g  <- the gradient
-//   m  <- decode, lerp toward g, encode back          (E4M3 / E5M2 with COAT expansion, bf16, fp32)
-//   v  <- decode, b2 v + (1 - b2) g^2, encode back    (the same formats, or an MCF bf16 pair)
+//   m, v <- decoded                                    (E4M3 / E5M2 with COAT expansion, bf16, fp32)
+//   m <- lerp toward g, v <- b2 v + (1 - b2) g^2        (one pass over the gradient, update_moments)
+//   m, v -> encoded back
+//   (an MCF bf16 pair v: g in an fp32 buffer first, m as above, v by pair_second_moment)
 //   v  <- sqrt(v)                                      (sqrt_inplace, or inside the MCF update)
 //   w  <- w (1 - lr wd) - step_size m / denom          (native fp32 / bf16 / fp16 parameter)
 //      or Grow (w, lo) by the decay and the step       (MCF master: bf16 parameter + bf16 lo)
