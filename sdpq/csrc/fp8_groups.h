@@ -94,32 +94,42 @@ struct DecodeTable {
 };
 
 // Decodes the first n - n % 8 values with the table; returns how many.
+// Note: vpermps reads the low 3 bits of each index only, so the 8-entry tables m and s take the
+// code itself (FieldLog2 repeats E5M2's 4 entries) and e the code shifted by M (the sign bit
+// lands above those 3 bits); blendv reads the top bit only, so a chunk of e is picked by its
+// bit of the code shifted to the top.
 template <class F>
 int64_t decode_avx2(const DecodeTable<F>& t, const uint8_t* c, int64_t n, float* y) {
   constexpr int M = F::kMant, kChunks = DecodeTable<F>::kExponents / 8;
+  static_assert(kChunks == 2 || kChunks == 4, "E4M3 or E5M2");
   __m256 e_vec[kChunks];
   for (int j = 0; j < kChunks; ++j) e_vec[j] = _mm256_load_ps(t.e + 8 * j);
   const __m256 m_vec = _mm256_load_ps(t.m), s_vec = _mm256_load_ps(t.s);
-  const __m256i low7 = _mm256_set1_epi32(0x7F), mant = _mm256_set1_epi32((1 << M) - 1);
-  const __m256i last_finite = _mm256_set1_epi32(F::kFirstSpecial - 1), inf_code = _mm256_set1_epi32(F::kInfCode);
-  const __m256 special = _mm256_set1_ps(kNaN), inf = _mm256_set1_ps(kInf);
-  const auto mask = [](__m256i m) { return _mm256_castsi256_ps(m); };
+  const __m256i low7 = _mm256_set1_epi32(0x7F), first_normal = _mm256_set1_epi32(1 << M);
+  const __m256i sign_bit = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
+  const auto ps = [](__m256i m) { return _mm256_castsi256_ps(m); };
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256i full = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i)));
-    const __m256i code = _mm256_and_si256(full, low7);
-    const __m256i m = _mm256_and_si256(code, mant), e = _mm256_srli_epi32(code, M), chunk = _mm256_srli_epi32(e, 3);
-    __m256 scale = _mm256_permutevar8x32_ps(e_vec[0], e);  // vpermps reads the low 3 bits of e
-    for (int j = 1; j < kChunks; ++j) {
-      scale = _mm256_blendv_ps(scale, _mm256_permutevar8x32_ps(e_vec[j], e),
-                               mask(_mm256_cmpeq_epi32(chunk, _mm256_set1_epi32(j))));
+    const __m256i code = _mm256_and_si256(full, low7), e = _mm256_srli_epi32(full, M);
+    const __m256 bit3 = ps(_mm256_slli_epi32(full, 31 - (M + 3)));  // e's bit 3 on top
+    __m256 scale = _mm256_blendv_ps(_mm256_permutevar8x32_ps(e_vec[0], e), _mm256_permutevar8x32_ps(e_vec[1], e), bit3);
+    if (kChunks == 4) {
+      const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(e_vec[2], e), _mm256_permutevar8x32_ps(e_vec[3], e), bit3);
+      scale = _mm256_blendv_ps(scale, hi, ps(_mm256_slli_epi32(full, 31 - (M + 4))));
     }
-    __m256 v = _mm256_mul_ps(scale, _mm256_permutevar8x32_ps(m_vec, m));
-    v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(s_vec, m), mask(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
-    const __m256 nonfinite = _mm256_blendv_ps(special, inf, mask(_mm256_cmpeq_epi32(code, inf_code)));
-    v = _mm256_blendv_ps(v, nonfinite, mask(_mm256_cmpgt_epi32(code, last_finite)));
-    const __m256i sign = _mm256_slli_epi32(_mm256_andnot_si256(low7, full), 24);
-    _mm256_storeu_ps(y + i, _mm256_or_ps(v, _mm256_castsi256_ps(sign)));
+    __m256 v = _mm256_mul_ps(scale, _mm256_permutevar8x32_ps(m_vec, full));
+    // e = 0 (code < 2^M): code - 2^M is negative, its top bit picks the subnormal factor
+    v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(s_vec, full), ps(_mm256_sub_epi32(code, first_normal)));
+    if (F::kInfCode < 0) {  // E4M3: 0x7F alone is not finite (NaN: every bit set)
+      v = _mm256_or_ps(v, ps(_mm256_cmpeq_epi32(code, low7)));
+    } else {  // E5M2: inf, then NaNs
+      const __m256 special = _mm256_blendv_ps(_mm256_set1_ps(kNaN), _mm256_set1_ps(kInf),
+                                              ps(_mm256_cmpeq_epi32(code, _mm256_set1_epi32(F::kInfCode))));
+      v = _mm256_blendv_ps(v, special, ps(_mm256_cmpgt_epi32(code, _mm256_set1_epi32(F::kFirstSpecial - 1))));
+    }
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(full, 24), sign_bit);
+    _mm256_storeu_ps(y + i, _mm256_or_ps(v, ps(sign)));
   }
   return i;
 }
