@@ -22,32 +22,17 @@ import torch
 from torch import Tensor
 
 from ..config import MasterWeights, OptimizerConfig, OptimizerStates, SecondMomentFormat
-from ..kernels import adamw_ops
 from ..quant import mcf
 from ..quant.fused import uses_kernels
 from . import checkpoint, guard, states
 from .layout import chunk_numel, chunks, fp8_groups_ok, local, rows
+from .native_args import KERNEL_DTYPES, NativeArgs
 
 __all__ = ["AdamW"]
 
 _STATES = get_args(OptimizerStates)
 _MASTERS = get_args(MasterWeights)
 _V_FORMATS = get_args(SecondMomentFormat)
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _op_format(st: dict, name: str, fp8_fmt: str) -> str | None:
-    """The adamw_step format name of a stored state (None: a format the kernels do not take)."""
-    return {"fp8": fp8_fmt, "bf16": "bf16", "fp32": "fp32", "pair": "pair"}.get(states.stored_format(st, name) or "")
-
-
-def _op_tensors(st: dict, name: str, n_rows: int) -> list[Tensor]:
-    """The storage of a state as adamw_step takes it: 2-D row views, metadata [rows, groups]."""
-    fmt = states.stored_format(st, name)
-    assert fmt is not None, name
-    return [
-        st[k].reshape(n_rows, -1) if states.is_metadata_key(k) else rows(st[k]) for k in states.storage_keys(name, fmt)
-    ]
 
 
 def _check_group(group: dict) -> None:
@@ -218,12 +203,14 @@ class AdamW(torch.optim.Optimizer):
         if pl.numel() == 0:
             return
         step = int(st["step"])  # a CPU tensor, as in torch: no device sync
-        if self._native_applies(pl, grad, st):
-            self._native_step(pl, local(grad), group, st, step)
+        grad = local(grad)
+        native = self._native_args(p, pl, grad, group, st)
+        if native is not None:
+            self._native_step(native, grad, group, step)
         elif self._fused_applies(pl, group, st):
-            self._triton_step(pl, local(grad), group, st, step)
+            self._triton_step(pl, grad, group, st, step)
         else:
-            self._reference_step(pl, local(grad), group, st, float(step))
+            self._reference_step(pl, grad, group, st, float(step))
 
     def _triton_step(self, pl: Tensor, grad: Tensor, group: dict, st: dict, step: int) -> None:
         """The default layout (FP8 states, MCF master) as one Triton kernel (CUDA)."""
@@ -292,31 +279,40 @@ class AdamW(torch.optim.Optimizer):
                 if x is not w:
                     w.copy_(x)
 
-    def _native_applies(self, pl: Tensor, grad: Tensor, st: dict) -> bool:
-        """The C++ step (sdpq.kernels.adamw_ops) covers every layout on CPU once built; it
-        leaves out only foreign state dtypes (e.g. fp16 states loaded from a checkpoint) and
-        parameters or gradients that are not fp32 / bf16 / fp16."""
-        return (
-            self.kernels_enabled
-            and pl.device.type == "cpu"
-            and pl.dtype in _KERNEL_DTYPES
-            and local(grad).dtype in _KERNEL_DTYPES
-            and _op_format(st, "exp_avg", "e4m3") not in (None, "pair")
-            and _op_format(st, "exp_avg_sq", "e4m3") is not None
-            and adamw_ops.cpu_available()
-        )
+    def _native_args(self, p: Tensor, pl: Tensor, grad: Tensor, group: dict, st: dict) -> NativeArgs | None:
+        """The C++ step's arguments (sdpq.kernels.adamw_ops), or None where it does not apply:
+        it covers every layout on CPU once built and leaves out only foreign state dtypes (e.g.
+        fp16 states loaded from a checkpoint) and parameters or gradients that are not fp32 /
+        bf16 / fp16. Kept per parameter while current (see sdpq.optim.native_args)."""
+        if not (self.kernels_enabled and grad.dtype in KERNEL_DTYPES):
+            return None
+        # set here, not in __init__: torch's __setstate__ restores defaults, state, param_groups
+        cache = self.__dict__.setdefault("_native_cache", {})
+        args = cache.get(id(p))
+        if args is None or not args.current(pl, st, group["v_format"]):
+            args = NativeArgs.build(pl, st, group["v_format"])
+            if args is not None:
+                # Note: keyed by id (torch's weak-key dictionaries cost ~7 us of Python per
+                # lookup). self.state keeps its parameters alive, so an id is reused only after
+                # a parameter left the state; a reused id meets other state tensors and
+                # rebuilds, and the entries of parameters gone are dropped here.
+                cache[id(p)] = args
+                if len(cache) > len(self.state):
+                    live = {id(q) for q in self.state}
+                    for k in [k for k in cache if k not in live]:
+                        del cache[k]
+        return args
 
-    def _native_step(self, pl: Tensor, grad: Tensor, group: dict, st: dict, step: int) -> None:
-        P = rows(pl)
+    def _native_step(self, args: NativeArgs, grad: Tensor, group: dict, step: int) -> None:
         b1, b2 = group["betas"]
         torch.ops.sdpq.adamw_step(
-            P,
-            rows(st["master_lo"]) if "master_lo" in st else None,
-            grad.reshape(P.shape).contiguous(),
-            _op_tensors(st, "exp_avg", P.shape[0]),
-            _op_tensors(st, "exp_avg_sq", P.shape[0]),
-            _op_format(st, "exp_avg", "e4m3"),
-            _op_format(st, "exp_avg_sq", group["v_format"]),
+            args.param,
+            args.param_lo,
+            grad.reshape(args.param.shape).contiguous(),
+            args.exp_avg,
+            args.exp_avg_sq,
+            args.m_format,
+            args.v_format,
             float(group["lr"]),
             float(b1),
             float(b2),
@@ -352,6 +348,7 @@ class AdamW(torch.optim.Optimizer):
         formats. Hyperparameters (lr, betas, eps, weight_decay, ...) come from the checkpoint;
         the storage options (states, master, ...) stay this optimizer's."""
         checkpoint.load_state_dict(self, state_dict)
+        self.__dict__.pop("_native_cache", None)  # release the views of the states just replaced
 
     def export_state_dict(self) -> dict:
         """A torch.optim.AdamW state_dict (fp32 exp_avg / exp_avg_sq, DTensors where the

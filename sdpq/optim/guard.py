@@ -13,6 +13,7 @@ import logging
 import torch
 from torch import Tensor
 
+from ..kernels import finite_ops
 from .layout import is_dtensor, local
 
 logger = logging.getLogger("sdpq.optim")
@@ -39,27 +40,34 @@ def _groups(params: list[Tensor], sync_group) -> list:
     return groups
 
 
+def _first_nonfinite(grads: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor | int | None]:
+    """(flag: 1.0 when some local gradient has inf/nan, which one). Which one is an int from
+    the C++ scan (one call, CPU), else a per-gradient finite mask computed on the device (no
+    host sync before the all-reduce)."""
+    if grads and all(g.device.type == "cpu" for g in grads) and finite_ops.cpu_available():
+        first = torch.ops.sdpq.first_nonfinite(grads)
+        return torch.full((1,), float(first >= 0), device=device), first
+    if not grads:
+        return torch.zeros(1, device=device), None
+    # min and max are finite iff every element is (NaN propagates); no temporaries, no
+    # overflow; empty shards count as finite
+    ends = torch.stack(
+        [
+            torch.stack(torch.aminmax(g.reshape(-1))).float().to(device) if g.numel() else torch.zeros(2, device=device)
+            for g in grads
+        ]
+    )
+    finite = torch.isfinite(ends).all(1)
+    return (~finite).any().float().reshape(1), finite
+
+
 def nonfinite_index(params: list[Tensor], all_params: list[Tensor], sync_group=None) -> int | None:
     """Index (into params, those with a gradient) of the first parameter whose local gradient
     has inf/nan, -1 when only another rank saw one, None when all are finite everywhere.
     all_params (every parameter of the optimizer, same on all ranks) picks the groups."""
     grads = [local(p.grad) for p in params if p.grad is not None]  # params: those with a gradient
     device = local(all_params[0]).device if all_params else torch.device("cpu")
-    flag = torch.zeros(1, device=device)
-    finite = None
-    if grads:
-        # min and max are finite iff every element is (NaN propagates); no temporaries, no
-        # overflow; empty shards count as finite
-        ends = torch.stack(
-            [
-                torch.stack(torch.aminmax(g.reshape(-1))).float().to(device)
-                if g.numel()
-                else torch.zeros(2, device=device)
-                for g in grads
-            ]
-        )
-        finite = torch.isfinite(ends).all(1)
-        flag = (~finite).any().float().reshape(1)
+    flag, which = _first_nonfinite(grads, device)
     groups = _groups(all_params, sync_group)
     if groups:
         import torch.distributed as dist
@@ -68,8 +76,10 @@ def nonfinite_index(params: list[Tensor], all_params: list[Tensor], sync_group=N
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
     if not flag.item():
         return None
-    if finite is not None and not finite.all():
-        return int((~finite).nonzero()[0, 0])
+    if isinstance(which, int):
+        return which
+    if which is not None and not which.all():
+        return int((~which).nonzero()[0, 0])
     return -1
 
 

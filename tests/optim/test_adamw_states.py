@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from optim_problems import mlp, set_grads, train
+from sdpq.kernels import finite_ops
 from sdpq.optim import AdamW, memory_report
 from sdpq.optim import states as S
 from sdpq.quant.fp8 import dequantize_fp8, quantize_fp8
@@ -89,8 +90,14 @@ def _snapshot(opt, params):
         id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_gradient_skips_the_whole_step(bad, caplog):
+@pytest.mark.parametrize("scan", ["native", "torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_gradient_skips_the_whole_step(bad, scan, caplog, monkeypatch):
+    """The guard's C++ scan (one call over every gradient) and its torch check alike."""
+    if scan == "torch":
+        monkeypatch.setattr(finite_ops, "cpu_available", lambda: False)
+    elif not finite_ops.cpu_available():
+        pytest.skip("the C++ kernel could not be built")
     prob = mlp(n=64)
     params = [t.to(torch.bfloat16).requires_grad_() for t in prob.init]
     opt = AdamW(params, lr=1e-2, states="fp8", master="mcf")
