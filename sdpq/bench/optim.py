@@ -38,6 +38,7 @@ COLUMNS = [
     "master",
     "v",
     "numel",
+    "params",
     "device",
     "bytes_per_param",
     "baseline_bytes_per_param",
@@ -61,15 +62,20 @@ MODES = {
 _ROW = 1024  # a hidden size: parameters are [rows, 1024] matrices of at most 4M elements
 
 
-def _shapes(numel: int) -> list[tuple[int, int]]:
-    rows, per = -(-numel // _ROW), (4 << 20) // _ROW
-    return [(min(per, rows - r), _ROW) for r in range(0, rows, per)]
+def _shapes(numel: int, param_numel: int = 4 << 20) -> list[tuple[int, int]]:
+    """[rows, 1024] matrices of at most param_numel elements (rows of param_numel elements below
+    1024: many small parameters, as the shards of norms and biases are)."""
+    width = min(_ROW, param_numel)
+    rows, per = -(-numel // width), max(1, param_numel // width)
+    return [(min(per, rows - r), width) for r in range(0, rows, per)]
 
 
-def _params(numel: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+def _params(
+    numel: int, dtype: torch.dtype, device: torch.device, seed: int = 0, param_numel: int = 4 << 20
+) -> list[torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
-    for shape in _shapes(numel):
+    for shape in _shapes(numel, param_numel):
         p = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype).requires_grad_()
         p.grad = (torch.randn(shape, generator=g, device=device) * 1e-3).to(dtype)
         out.append(p)
@@ -114,6 +120,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="parameter counts (default: 1M 10M on CPU, 1M 10M 100M on CUDA)",
     )
+    p.add_argument(
+        "--param-numel",
+        type=int,
+        default=4 << 20,
+        help="largest parameter, in elements (default 4M; e.g. 8192 for many small parameters, where "
+        "the per-parameter overhead shows)",
+    )
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES), help="sdpq modes to run")
     p.add_argument("--v-format", choices=["e4m3", "e5m2"], default="e4m3", help="FP8 format of v")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -126,7 +139,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     allocator = "glibc, freed memory kept" if device.type == "cpu" and _keep_freed_memory() else "default"
     records = []
     for n in sizes:
-        master = _params(n, torch.float32, device)
+        master = _params(n, torch.float32, device, param_numel=args.param_numel)
         baseline = torch.optim.AdamW(master, lr=1e-4, foreach=True)
         baseline.step()  # states exist from here on
         compute = [p.detach().to(torch.bfloat16) for p in master]
@@ -134,7 +147,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         del compute
         for name in args.modes:
             states, mode_master, pair = MODES[name]
-            params = _params(n, torch.bfloat16 if mode_master == "mcf" else torch.float32, device)
+            params = _params(
+                n, torch.bfloat16 if mode_master == "mcf" else torch.float32, device, param_numel=args.param_numel
+            )
             opt = AdamW(
                 params, lr=1e-4, states=states, master=mode_master, mcf_second_moment=pair, v_format=args.v_format
             )
@@ -148,6 +163,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 master=mode_master,
                 v=v,
                 numel=rep["numel"],
+                params=len(params),
                 device=device.type,
                 bytes_per_param=rep["bytes_per_param"],
                 baseline_bytes_per_param=base_bpp,
