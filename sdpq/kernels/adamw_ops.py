@@ -1,4 +1,5 @@
-"""One fused step of sdpq.optim.AdamW as a PyTorch operator: ``torch.ops.sdpq.adamw_step``.
+"""One fused step of sdpq.optim.AdamW as a PyTorch operator: ``torch.ops.sdpq.adamw_step``
+(and ``adamw_step_many``, the same for a list of parameters).
 
     CPU    C++ (``sdpq/csrc/adamw.cpp``, built at first use by ``native``): every state layout
     CUDA   Triton (``sdpq.kernels.adamw``): E4M3 m and v, MCF master, a power-of-two group size
@@ -19,7 +20,13 @@ tensors (``sdpq.optim.states``):
     "bf16" / "fp32"   [state [rows, cols]]
     "pair"            [hi, lo] bfloat16 [rows, cols]  (second moment only)
 
-``step`` is the step number after its increment (bias corrections use it). The arithmetic is
+``step`` is the step number after its increment (bias corrections use it).
+
+``adamw_step_many`` takes the same arguments as lists, one entry per parameter (``exp_avg`` and
+``exp_avg_sq`` concatenate each parameter's storage tensors, ``param_lo`` is empty or full,
+``steps`` an int per parameter) and steps them all in one call on CPU: ``sdpq.optim.AdamW``
+makes one call per parameter group, since a call through the dispatcher costs about as much as
+the step of a parameter of a few thousand values. The arithmetic is
 that of ``sdpq.optim.AdamW``'s PyTorch path, which stays the reference: bitwise without FP8
 states, within the rounding of log2 / exp2 with them (see the header of ``sdpq/csrc/adamw.cpp``).
 """
@@ -40,6 +47,14 @@ _LIB.define(
     "adamw_step(Tensor(a!) param, Tensor(b!)? param_lo, Tensor grad, Tensor(c!)[] exp_avg, "
     "Tensor(d!)[] exp_avg_sq, str m_format, str v_format, float lr, float beta1, float beta2, "
     "float eps, float weight_decay, int step, int group_size) -> ()"
+)
+# adamw_step for every parameter of a list in one call (CPU): exp_avg / exp_avg_sq concatenate
+# each parameter's storage tensors (as many as its format takes); param_lo is empty or one per
+# parameter.
+_LIB.define(
+    "adamw_step_many(Tensor(a!)[] params, Tensor(b!)[] param_lo, Tensor[] grads, Tensor(c!)[] exp_avg, "
+    "Tensor(d!)[] exp_avg_sq, str[] m_formats, str[] v_formats, float lr, float beta1, float beta2, "
+    "float eps, float weight_decay, int[] steps, int group_size) -> ()"
 )
 
 
@@ -70,6 +85,11 @@ class StepArgs(NamedTuple):
 
 @torch.library.register_fake("sdpq::adamw_step")
 def _adamw_step_fake(*args):
+    return None
+
+
+@torch.library.register_fake("sdpq::adamw_step_many")
+def _adamw_step_many_fake(*args):
     return None
 
 

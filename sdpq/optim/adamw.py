@@ -191,11 +191,18 @@ class AdamW(torch.optim.Optimizer):
             self.skipped_steps += 1
             guard.handle(bad, names, self.on_nonfinite, self.skipped_steps)
             return loss
-        for p, group in todo:
-            self._update(p, group, self._state_for(p, group))
+        native: list[tuple[NativeArgs, Tensor, int]] = []  # the C++ steps of the current group
+        for i, (p, group) in enumerate(todo):
+            call = self._update(p, group, self._state_for(p, group))
+            if call is not None:
+                native.append(call)
+            if native and (i + 1 == len(todo) or todo[i + 1][1] is not group):
+                self._native_step(group, native)
+                native = []
         return loss
 
-    def _update(self, p: Tensor, group: dict, st: dict) -> None:
+    def _update(self, p: Tensor, group: dict, st: dict) -> tuple[NativeArgs, Tensor, int] | None:
+        """Steps p, or returns what its C++ step needs: those run together (_native_step)."""
         grad = p.grad
         assert grad is not None  # step() updates only parameters with a gradient
         st["step"] += 1
@@ -206,11 +213,12 @@ class AdamW(torch.optim.Optimizer):
         grad = local(grad)
         native = self._native_args(p, pl, grad, group, st)
         if native is not None:
-            self._native_step(native, grad, group, step)
-        elif self._fused_applies(pl, group, st):
+            return native, grad.reshape(native.param.shape).contiguous(), step
+        if self._fused_applies(pl, group, st):
             self._triton_step(pl, grad, group, st, step)
         else:
             self._reference_step(pl, grad, group, st, float(step))
+        return None
 
     def _triton_step(self, pl: Tensor, grad: Tensor, group: dict, st: dict, step: int) -> None:
         """The default layout (FP8 states, MCF master) as one Triton kernel (CUDA)."""
@@ -303,24 +311,31 @@ class AdamW(torch.optim.Optimizer):
                         del cache[k]
         return args
 
-    def _native_step(self, args: NativeArgs, grad: Tensor, group: dict, step: int) -> None:
+    def _native_step(self, group: dict, calls: list[tuple[NativeArgs, Tensor, int]]) -> None:
+        """The C++ steps of a group's parameters in one adamw_step_many call per kind of master
+        (MCF or native: its param_lo list is all or nothing)."""
         b1, b2 = group["betas"]
-        torch.ops.sdpq.adamw_step(
-            args.param,
-            args.param_lo,
-            grad.reshape(args.param.shape).contiguous(),
-            args.exp_avg,
-            args.exp_avg_sq,
-            args.m_format,
-            args.v_format,
-            float(group["lr"]),
-            float(b1),
-            float(b2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            step,
-            group["group_size"],
-        )
+        hyper = (float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
+        for mcf_master in (True, False):
+            batch = [c for c in calls if (c[0].param_lo is not None) == mcf_master]
+            if not batch:
+                continue
+            m_tensors, v_tensors = [], []
+            for a, _, _ in batch:
+                m_tensors += a.exp_avg
+                v_tensors += a.exp_avg_sq
+            torch.ops.sdpq.adamw_step_many(
+                [a.param for a, _, _ in batch],
+                [a.param_lo for a, _, _ in batch] if mcf_master else [],
+                [g for _, g, _ in batch],
+                m_tensors,
+                v_tensors,
+                [a.m_format for a, _, _ in batch],
+                [a.v_format for a, _, _ in batch],
+                *hyper,
+                [s for _, _, s in batch],
+                group["group_size"],
+            )
 
     def _fused_applies(self, pl: Tensor, group: dict, st: dict) -> bool:
         """The one-kernel step (sdpq.kernels.adamw) covers the default layout on CUDA: E4M3

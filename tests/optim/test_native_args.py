@@ -101,3 +101,24 @@ def test_parameters_that_leave_the_state_leave_no_arguments_behind():
     opt.add_param_group({"params": extra})
     _run(opt, params + extra, 1, first=1)
     assert set(opt._native_cache) == {id(p) for p in params + extra}
+
+
+def test_one_kernel_call_per_group_and_step(monkeypatch):
+    """Two groups (MCF and native masters): one adamw_step_many call each per step, and the same
+    weights as one optimizer per group."""
+    calls = []
+    many = torch.ops.sdpq.adamw_step_many
+    monkeypatch.setattr(torch.ops.sdpq, "adamw_step_many", lambda *a: calls.append(len(a[0])) or many(*a))
+    mcf, native = _params(), [torch.nn.Parameter(p.detach().float()) for p in _params(n=2)]
+    mcf_alone, native_alone = _params(), [torch.nn.Parameter(p.detach().float()) for p in _params(n=2)]
+    opts = [AdamW([{"params": mcf}, {"params": native, "master": "native", "states": "bf16"}], lr=1e-2),
+            AdamW(mcf_alone, lr=1e-2), AdamW(native_alone, lr=1e-2, master="native", states="bf16")]
+    for s in range(3):
+        _grads(mcf + native, s)
+        for p, q in zip(mcf + native, mcf_alone + native_alone):
+            q.grad = p.grad.clone()
+        for opt in opts:
+            opt.step()
+    assert calls == [3, 2, 3, 2] * 3
+    assert all(torch.equal(a, b) for a, b in zip(mcf + native, mcf_alone + native_alone))
+    assert not torch.equal(mcf[0], _params()[0])
