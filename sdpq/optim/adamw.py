@@ -208,7 +208,7 @@ class AdamW(torch.optim.Optimizer):
         st["step"] += 1
         pl = local(p)
         if pl.numel() == 0:
-            return
+            return None
         step = int(st["step"])  # a CPU tensor, as in torch: no device sync
         grad = local(grad)
         native = self._native_args(p, pl, grad, group, st)
