@@ -192,13 +192,17 @@ class AdamW(torch.optim.Optimizer):
             guard.handle(bad, names, self.on_nonfinite, self.skipped_steps)
             return loss
         native: list[tuple[NativeArgs, Tensor, int]] = []  # the C++ steps of the current group
-        for i, (p, group) in enumerate(todo):
-            call = self._update(p, group, self._state_for(p, group))
-            if call is not None:
-                native.append(call)
-            if native and (i + 1 == len(todo) or todo[i + 1][1] is not group):
+        try:
+            for i, (p, group) in enumerate(todo):
+                call = self._update(p, group, self._state_for(p, group))
+                if call is not None:
+                    native.append(call)
+                if native and (i + 1 == len(todo) or todo[i + 1][1] is not group):
+                    self._native_step(group, native)
+                    native = []
+        finally:  # a parameter that raised: those before it are stepped, as one by one
+            if native:
                 self._native_step(group, native)
-                native = []
         return loss
 
     def _update(self, p: Tensor, group: dict, st: dict) -> tuple[NativeArgs, Tensor, int] | None:

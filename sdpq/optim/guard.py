@@ -44,11 +44,11 @@ def _first_nonfinite(grads: list[Tensor], device: torch.device) -> tuple[Tensor,
     """(flag: 1.0 when some local gradient has inf/nan, which one). Which one is an int from
     the C++ scan (one call, CPU), else a per-gradient finite mask computed on the device (no
     host sync before the all-reduce)."""
-    if grads and all(g.device.type == "cpu" for g in grads) and finite_ops.cpu_available():
-        first = torch.ops.sdpq.first_nonfinite(grads)
-        return torch.full((1,), float(first >= 0), device=device), first
     if not grads:
         return torch.zeros(1, device=device), None
+    if all(g.device.type == "cpu" for g in grads) and finite_ops.cpu_available():
+        first = torch.ops.sdpq.first_nonfinite(grads)
+        return torch.full((1,), float(first >= 0), device=device), first
     # min and max are finite iff every element is (NaN propagates); no temporaries, no
     # overflow; empty shards count as finite
     ends = torch.stack(

@@ -122,3 +122,16 @@ def test_one_kernel_call_per_group_and_step(monkeypatch):
     assert calls == [3, 2, 3, 2] * 3
     assert all(torch.equal(a, b) for a, b in zip(mcf + native, mcf_alone + native_alone))
     assert not torch.equal(mcf[0], _params()[0])
+
+
+def test_a_parameter_that_raises_leaves_those_before_it_stepped():
+    """As when each parameter stepped on its own: the step counters and the weights agree."""
+    params = _params()
+    opt = AdamW(params, lr=1e-2)
+    _run(opt, params, 1)
+    params[2].data = torch.zeros(2, 128, dtype=torch.bfloat16)  # its state no longer fits
+    before = [p.detach().clone() for p in params[:2]]
+    _grads(params, 1)
+    with pytest.raises(ValueError, match="the parameter now has 256"):
+        opt.step()
+    assert all(not torch.equal(p, b) and float(opt.state[p]["step"]) == 2 for p, b in zip(params, before))
