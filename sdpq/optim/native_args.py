@@ -1,7 +1,7 @@
 """The tensor arguments of ``torch.ops.sdpq.adamw_step`` for one parameter, built once.
 
 Note: building them (row views of the parameter and of every state tensor, the format names)
-takes about a dozen reshape / view calls and as many lookups: ~50 us of Python per parameter
+takes about a dozen reshape / view calls and as many lookups: ~40 us of Python per parameter
 and step, more than the kernel itself for parameters under ~10K values (FSDP2 shards of norms
 and biases). A NativeArgs is reused while it is ``current``: the same parameter storage, the
 same v_format and the very same tensors in the state dict. A new storage (``p.data = ...``), a
