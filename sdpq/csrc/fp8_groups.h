@@ -217,15 +217,16 @@ void encode_constants(const float* mx, const float* mn, int64_t groups, float* _
 // compiler emits the vectorized scalar loop), the out-of-order window held about two of them and
 // the loop ran at ~1 operation per cycle.
 // kTiny: the group holds subnormal values (scaled by 2^23 first, as log2_positive does); groups
-// without them skip that step.
-template <class F, int Q, bool kTiny>
+// without them skip that step. kSigned: x may be negative (or -0); second moments, +0 or positive,
+// skip the sign's four operations.
+template <class F, int Q, bool kTiny, bool kSigned>
 SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[Q]) {
   constexpr int kShift = 23 - F::kMant;
   const f8 magic = f8{} + 0x1.8p23f;  // 1.5 * 2^23: adding it rounds to an integer
   i8 ux[Q], e[Q];
   f8 t[Q], t2[Q], p[Q], y[Q], sh[Q];
 #define SDPQ_EACH _Pragma("GCC unroll 16") for (int q = 0; q < Q; ++q)
-  SDPQ_EACH ux[q] = (i8)loadu(x + 8 * q) & 0x7FFFFFFF;
+  SDPQ_EACH ux[q] = kSigned ? (i8)loadu(x + 8 * q) & 0x7FFFFFFF : (i8)loadu(x + 8 * q);
   SDPQ_EACH {  // log2_positive: x = 2^e m, m in [sqrt(1/2), sqrt(2)), subnormals scaled by 2^23
     i8 u = ux[q], rescaled = {};
     if (kTiny) {
@@ -261,20 +262,21 @@ SDPQ_ADAMW_INLINE void encode_lockstep(const float* x, f8 k, f8 bias, i8 (&out)[
     const i8 normal = (mag + static_cast<int32_t>((static_cast<uint32_t>(F::kBias - 127) << 23) +
                                                   ((1u << (kShift - 1)) - 1u)) + ((mag >> kShift) & 1)) >> kShift;
     const i8 code = mag < static_cast<int32_t>(F::kMinNormal) ? sub : normal;
-    out[q] = (ux[q] == 0 ? 0 : code) | (((i8)loadu(x + 8 * q) >> 24) & 0x80);
+    out[q] = ux[q] == 0 ? 0 : code;
+    if (kSigned) out[q] |= ((i8)loadu(x + 8 * q) >> 24) & 0x80;
   }
 #undef SDPQ_EACH
 }
 
 // Codes of the first n - n % 64 values; returns how many.
-template <class F, bool kTiny>
+template <class F, bool kTiny, bool kSigned>
 int64_t encode_avx2(const float* x, int64_t n, float k, float bias, uint8_t* codes) {
   constexpr int Q = 8;
   const f8 vk = f8{} + k, vb = f8{} + bias;
   int64_t i = 0;
   for (; i + 8 * Q <= n; i += 8 * Q) {
     i8 c[Q];
-    encode_lockstep<F, Q, kTiny>(x + i, vk, vb, c);
+    encode_lockstep<F, Q, kTiny, kSigned>(x + i, vk, vb, c);
     for (int h = 0; h < Q; h += 2) {  // codes 0..255: saturating packs keep them; dwords back in order
       const __m256i w = _mm256_packus_epi32((__m256i)c[h], (__m256i)c[h + 1]);
       const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w, w), _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
@@ -290,16 +292,19 @@ int64_t encode_avx2(const float* x, int64_t n, float k, float bias, uint8_t* cod
 // - 1): exp2 stays normal. Zeros (log2 = -inf in the reference) give code 0 with their sign; a
 // NaN bias (non-finite group) gives NaN codes, 0x7F | sign as torch converts NaN. mn: the
 // group's smallest non-zero |x| (group_range); below 2^-126 the vector path takes subnormals.
+// nonnegative: every x is +0 or positive (a second moment), so the codes carry no sign.
 template <class F>
-void encode_group(const float* x, int64_t n, float k, float bias, float mn, uint8_t* codes) {
+void encode_group(const float* x, int64_t n, float k, float bias, float mn, uint8_t* codes, bool nonnegative) {
   if (bias != bias) {
     for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>(0x7Fu | ((bits_of(x[i]) >> 24) & 0x80u));
     return;
   }
 #if defined(__AVX2__) && defined(__FMA__)
   const bool tiny = bits_of(mn) < 0x00800000u;
-  const int64_t done =
-      tiny ? encode_avx2<F, true>(x, n, k, bias, codes) : encode_avx2<F, false>(x, n, k, bias, codes);
+  const int64_t done = nonnegative ? (tiny ? encode_avx2<F, true, false>(x, n, k, bias, codes)
+                                           : encode_avx2<F, false, false>(x, n, k, bias, codes))
+                                   : (tiny ? encode_avx2<F, true, true>(x, n, k, bias, codes)
+                                           : encode_avx2<F, false, true>(x, n, k, bias, codes));
   x += done;
   codes += done;
   n -= done;

@@ -1,7 +1,7 @@
 // The MCF weight update of adamw.cpp (mcf_weights) with AVX2, Q vectors in lock-step: the same
 // IEEE operations in the same order, so bitwise the scalar loop's results.
 //
-// Note: each element's chain (two divisions, the three bf16 roundings of Collage's Grow) is
+// Note: each element's chain (one or two divisions, the three bf16 roundings of Collage's Grow) is
 // ~60 cycles long. Written one vector after the other, as the compiler vectorizes the scalar
 // loop, the out-of-order window holds about two chains and the loop is latency-bound; advancing
 // Q independent vectors one operation at a time keeps Q chains in flight.
@@ -33,27 +33,35 @@ SDPQ_INLINE i8 round_bits(f8 f) {
 
 SDPQ_INLINE i8 round_bits_nan(f8 f) { return f != f ? i8{} + 0x7FC00000 : round_bits(f); }
 
-// Elements [0, n - n % (8 Q)) of mcf_weights<kDecay>; returns how many.
-template <bool kDecay, bool kSqrt, int Q = 8>
-int64_t mcf_weights_avx2(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int64_t n, float bc2,
-                         float eps, float neg_step, float neg_lr_wd) {
+// The step's scalars: kOneDivision, step = (m neg_step) / (sqrt(v) + eps) with bc2 folded into
+// eps and neg_step by the caller (bc2 unused); else step = (m / (v / bc2 + eps)) neg_step.
+struct WeightScalars {
+  float bc2, eps, neg_step, neg_lr_wd;
+};
+
+// Elements [0, n - n % (8 Q)) of mcf_weights<kDecay, kOneDivision>; returns how many.
+template <bool kDecay, bool kOneDivision, int Q = 8>
+int64_t mcf_weights_avx2(uint16_t* w, uint16_t* lo, const float* m, const float* sq, int64_t n,
+                         const WeightScalars& c) {
   static_assert(Q % 2 == 0, "bf16 stores take two vectors");
   int64_t i = 0;
   for (; i + 8 * Q <= n; i += 8 * Q) {
     f8 h[Q], l[Q], d[Q], s[Q], l1[Q];
     i8 hi[Q], out_lo[Q];
 #define SDPQ_EACH _Pragma("GCC unroll 8") for (int q = 0; q < Q; ++q)
-    SDPQ_EACH {
-      const f8 v = loadu(sq + i + 8 * q);
-      d[q] = (kSqrt ? (f8)_mm256_sqrt_ps((__m256)v) : v) / bc2 + eps;  // denom
+    if (kOneDivision) {
+      SDPQ_EACH d[q] = (f8)_mm256_sqrt_ps((__m256)loadu(sq + i + 8 * q)) + c.eps;
+      SDPQ_EACH d[q] = (loadu(m + i + 8 * q) * c.neg_step) / d[q];
+    } else {
+      SDPQ_EACH d[q] = loadu(sq + i + 8 * q) / c.bc2 + c.eps;
+      SDPQ_EACH d[q] = (loadu(m + i + 8 * q) / d[q]) * c.neg_step;
     }
-    SDPQ_EACH d[q] = (loadu(m + i + 8 * q) / d[q]) * neg_step;
     SDPQ_EACH {
       h[q] = load_bf16x8(w + i + 8 * q);
       l[q] = load_bf16x8(lo + i + 8 * q);
     }
     if (kDecay) {
-      SDPQ_EACH d[q] = fma8(h[q] + l[q], f8{} + neg_lr_wd, d[q]);
+      SDPQ_EACH d[q] = fma8(h[q] + l[q], f8{} + c.neg_lr_wd, d[q]);
     }
     SDPQ_EACH s[q] = (f8)round_bits(h[q] + d[q]);
     SDPQ_EACH l1[q] = (f8)round_bits(l[q] + (d[q] - (s[q] - h[q])));
