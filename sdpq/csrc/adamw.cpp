@@ -201,11 +201,11 @@ struct Tile {
   int64_t numel() const { return (r1 - r0) * (c1 - c0); }
 };
 
-// Per-thread fp32 buffers of one tile: gradient, m, v, and 4 floats per FP8 group of a row.
+// Per-thread fp32 buffers of one tile: gradient, m, v, and 8 floats per FP8 group of a row.
 struct Scratch {
   std::vector<float> data;
   float *g, *m, *v, *groups;
-  explicit Scratch(const Tiling& t) : data(3 * t.capacity() + 4 * ((t.width + t.G - 1) / t.G)) {
+  explicit Scratch(const Tiling& t) : data(3 * t.capacity() + 8 * ((t.width + t.G - 1) / t.G)) {
     g = data.data();
     m = g + t.capacity();
     v = m + t.capacity();
@@ -230,19 +230,25 @@ void fp8_decode(const Moment& s, const Tiling& t, const Tile& tile, float* x, fl
   }
 }
 
+// One row of an FP8 moment from fp32 x, its groups' ranges (mx, mn) known. bias: 1 float per group.
+template <class F>
+void encode_row(const Moment& s, int64_t meta, uint8_t* codes, const float* x, int64_t W, int64_t G,
+                const float* mx, const float* mn, float* bias, bool nonnegative) {
+  const int64_t groups = (W + G - 1) / G;
+  encode_constants<F>(mx, mn, groups, s.scale + meta, s.k + meta, s.gm + meta, bias);
+  for (int64_t j = 0; j < groups; ++j) {
+    encode_group<F>(x + j * G, std::min(G, W - j * G), s.k[meta + j], bias[j], mn[j], codes + j * G, nonnegative);
+  }
+}
+
 template <class F>
 void fp8_encode(const Moment& s, const Tiling& t, const Tile& tile, const float* x, float* tmp, bool nonnegative) {
   const int64_t W = tile.c1 - tile.c0, G = t.G, groups = (W + G - 1) / G;
   float *bias = tmp + groups, *mx = tmp + 2 * groups, *mn = tmp + 3 * groups;
   for (int64_t r = tile.r0; r < tile.r1; ++r) {
-    const int64_t meta = r * s.groups + tile.c0 / G;
-    uint8_t* codes = s.codes + r * t.C + tile.c0;
     const float* xr = x + (r - tile.r0) * W;
     for (int64_t j = 0; j < groups; ++j) group_range(xr + j * G, std::min(G, W - j * G), mx + j, mn + j);
-    encode_constants<F>(mx, mn, groups, s.scale + meta, s.k + meta, s.gm + meta, bias);
-    for (int64_t j = 0; j < groups; ++j) {
-      encode_group<F>(xr + j * G, std::min(G, W - j * G), s.k[meta + j], bias[j], mn[j], codes + j * G, nonnegative);
-    }
+    encode_row<F>(s, r * s.groups + tile.c0 / G, s.codes + r * t.C + tile.c0, xr, W, G, mx, mn, bias, nonnegative);
   }
 }
 
@@ -393,6 +399,37 @@ struct Step {
   Tiling tiling;
 };
 
+// FP8 m and v of one format: per row, decode, moment update and group ranges one group at a
+// time, while the group is in L1 (as separate passes over the tile, the three streamed its
+// buffers through L2), then both encodes. tmp: 8 floats per group of a row.
+template <class F, bool kSmallW, class T>
+void fp8_moments_fused(const Step& s, const Tile& tile, const T* grad, float* xm, float* xv, float* tmp) {
+  const int64_t W = tile.c1 - tile.c0, G = s.tiling.G, groups = (W + G - 1) / G;
+  float* dm = tmp;                  // decode: inv_k, bias of m, then of v; encode: bias
+  float* dv = tmp + 2 * groups;
+  float* rm = tmp + 4 * groups;     // ranges: mx, mn of m, then of v
+  float* rv = tmp + 6 * groups;
+  for (int64_t r = tile.r0; r < tile.r1; ++r) {
+    const int64_t meta = r * s.m.groups + tile.c0 / G, at = r * s.tiling.C + tile.c0, x0 = (r - tile.r0) * W;
+    decode_constants(s.m.scale + meta, s.m.k + meta, s.m.gm + meta, groups, dm, dm + groups);
+    decode_constants(s.v.scale + meta, s.v.k + meta, s.v.gm + meta, groups, dv, dv + groups);
+    for (int64_t j0 = 0; j0 < groups; j0 += 8) {
+      const int64_t j1 = std::min(groups, j0 + 8);
+      const DecodeChunk<F> cm(dm + j0, dm + groups + j0, j1 - j0), cv(dv + j0, dv + groups + j0, j1 - j0);
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t o = x0 + j * G, len = std::min(G, W - j * G);
+        cm.decode(j - j0, s.m.codes + at + j * G, len, xm + o);
+        cv.decode(j - j0, s.v.codes + at + j * G, len, xv + o);
+        update_moments<kSmallW>(grad + o, xm + o, xv + o, len, s.h);
+        group_range(xm + o, len, rm + j, rm + groups + j);
+        group_range(xv + o, len, rv + j, rv + groups + j);
+      }
+    }
+    encode_row<F>(s.m, meta, s.m.codes + at, xm + x0, W, G, rm, rm + groups, dm, false);
+    encode_row<F>(s.v, meta, s.v.codes + at, xv + x0, W, G, rv, rv + groups, dv, true);
+  }
+}
+
 void step_tile(const Step& s, const Tile& tile, const Scratch& b) {
   const int64_t off = tile.offset(s.tiling.C), n = tile.numel();
   if (s.v.fmt == Fmt::kPair) {  // the pair's update reads the gradient in fp32
@@ -403,6 +440,18 @@ void step_tile(const Step& s, const Tile& tile, const Scratch& b) {
     FirstMoment{s.h.lerp_w}(b.m, b.g, n);
     encode_moment(s.m, s.tiling, tile, b.m, b.groups, false);
     pair_second_moment(s.v, off, n, b.g, b.v, s.h);
+  } else if (is_fp8(s.m.fmt) && s.v.fmt == s.m.fmt) {
+    dispatch_float(s.grad.scalar_type(), "grad", [&](auto t) {
+      const auto* g = s.grad.data_ptr<decltype(t)>() + off;
+      const bool small = std::fabs(s.h.lerp_w) < 0.5f;
+      if (s.m.fmt == Fmt::kE4M3) {
+        small ? fp8_moments_fused<E4M3, true>(s, tile, g, b.m, b.v, b.groups)
+              : fp8_moments_fused<E4M3, false>(s, tile, g, b.m, b.v, b.groups);
+      } else {
+        small ? fp8_moments_fused<E5M2, true>(s, tile, g, b.m, b.v, b.groups)
+              : fp8_moments_fused<E5M2, false>(s, tile, g, b.m, b.v, b.groups);
+      }
+    });
   } else {
     decode_moment(s.m, s.tiling, tile, b.m, b.groups);
     decode_moment(s.v, s.tiling, tile, b.v, b.groups);

@@ -135,28 +135,40 @@ int64_t decode_avx2(const DecodeTable<F>& t, const uint8_t* c, int64_t n, float*
 }
 #endif
 
+// The decoders of up to 8 consecutive groups of a row, their tables built together.
+// Note: built one group at a time, each table's exp2 chains waited behind the previous group's
+// lookups; 8 independent builds overlap, and the build had cost as much as a third of the decode.
+template <class F>
+struct DecodeChunk {
+  const float *inv_k, *bias;  // the chunk's first group's
+#ifdef __AVX2__
+  DecodeTable<F> tables[8];
+  bool ok[8];
+#endif
+  DecodeChunk(const float* inv_k_, const float* bias_, int64_t count) : inv_k(inv_k_), bias(bias_) {
+#ifdef __AVX2__
+    for (int64_t j = 0; j < count; ++j) ok[j] = tables[j].build(inv_k[j], bias[j]);
+#endif
+  }
+
+  // The chunk's group j: len codes c into y.
+  void decode(int64_t j, const uint8_t* c, int64_t len, float* y) const {
+    int64_t done = 0;
+#ifdef __AVX2__
+    if (ok[j]) done = decode_avx2<F>(tables[j], c, len, y);
+#endif
+    decode_elementwise<F>(c + done, len - done, inv_k[j], bias[j], y + done);
+  }
+};
+
 // Decodes a row of `groups` groups of G codes (the last one n - (groups - 1) G long) into y.
-// Note: the tables of 8 groups are built before any of them is used. Built one group at a time,
-// each table's exp2 chains waited behind the previous group's lookups; 8 independent builds
-// overlap, and the build had cost as much as a third of the decode.
 template <class F>
 void decode_row(const uint8_t* c, int64_t n, int64_t G, int64_t groups, const float* inv_k, const float* bias,
                 float* y) {
   for (int64_t j0 = 0; j0 < groups; j0 += 8) {
     const int64_t j1 = std::min(groups, j0 + 8);
-#ifdef __AVX2__
-    DecodeTable<F> tables[8];
-    bool ok[8];
-    for (int64_t j = j0; j < j1; ++j) ok[j - j0] = tables[j - j0].build(inv_k[j], bias[j]);
-#endif
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t len = std::min(G, n - j * G);
-      int64_t done = 0;
-#ifdef __AVX2__
-      if (ok[j - j0]) done = decode_avx2<F>(tables[j - j0], c + j * G, len, y + j * G);
-#endif
-      decode_elementwise<F>(c + j * G + done, len - done, inv_k[j], bias[j], y + j * G + done);
-    }
+    const DecodeChunk<F> chunk(inv_k + j0, bias + j0, j1 - j0);
+    for (int64_t j = j0; j < j1; ++j) chunk.decode(j - j0, c + j * G, std::min(G, n - j * G), y + j * G);
   }
 }
 
