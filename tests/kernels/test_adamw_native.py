@@ -227,6 +227,29 @@ def test_results_do_not_depend_on_the_number_of_threads(layout):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+@pytest.mark.parametrize("layout", [("fp8", "e4m3", "mcf"), ("fp8", "e5m2", "native-fp32")], ids=_layout_id)
+def test_whole_rows_step_as_single_rows_do(layout):
+    """Tiles of whole rows of whole groups (40 x 384: tiles of 21 rows, then 19) are worked as
+    one run of groups; each row stepped as a parameter of its own must come out bitwise the same."""
+    shape = (40, 384)
+    p, opt = make(layout, shape, True)
+    rows = [make(layout, (1, shape[1]), True) for _ in range(shape[0])]
+    with torch.no_grad():
+        for i, (q, _) in enumerate(rows):
+            q.copy_(p[i : i + 1])
+    for g in gradients(shape, steps=3):
+        p.grad = g.to(p.dtype)
+        opt.step()
+        for i, (q, o) in enumerate(rows):
+            q.grad = g[i : i + 1].to(q.dtype)
+            o.step()
+    whole = opt.state[p]
+    for i, (q, o) in enumerate(rows):
+        assert torch.equal(p[i : i + 1], q)
+        for key, t in o.state[q].items():
+            assert torch.equal(whole[key][i : i + 1] if t.dim() else whole[key], t), key
+
+
 def _count_native_steps(monkeypatch):
     calls = []
     native_step = AdamW._native_step
