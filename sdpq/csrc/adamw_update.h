@@ -1,6 +1,7 @@
 // The per-element arithmetic of one step of the fused AdamW (adamw.cpp): the step's scalars,
 // the moment updates, Collage's Grow and the weight updates, each the reference's operations
-// (sdpq/optim/adamw.py, sdpq/quant/mcf.py) in fp32 and in the same order.
+// (sdpq/optim/adamw.py, sdpq/quant/mcf.py) in fp32 and in the same order, but for the MCF
+// weight step with FP8 states, which takes one division instead of two (see mcf_weights).
 #pragma once
 
 #include <ATen/ATen.h>
