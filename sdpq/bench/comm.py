@@ -4,8 +4,9 @@ next to the unquantized collective measured in the same run, on real gloo ranks.
 It spawns one process per rank (world sizes from the layouts, e.g. 2x4 = 2 simulated nodes of 4
 ranks) on this machine. Bits per element come from sdpq's byte counters (every byte that crosses
 the link, scales and padding included); seconds are the median over repeats of the slowest
-rank. On one machine every "link" is loopback, so the times show compute overhead rather than
-the bandwidth saved: the bits per element are what carries over to a real cluster.
+rank, each collective and its baseline called in alternation. On one machine every "link" is
+loopback, so the times show compute overhead rather than the bandwidth saved: the bits per
+element are what carries over to a real cluster.
 
 Records (one per path x mode x link x layout x numel): path (weights|gradients), mode, link
 (intra|inter), layout, numel, wire_bits_per_element, baseline_bits_per_element, bits_ratio,
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="bf16",
         help="dtype of the gathered weights and of the gradients (the baseline's wire dtype)",
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
+    p.add_argument("--repeats", type=int, default=21, help="timed calls per measurement (median)")
     p.add_argument("--paths", nargs="+", choices=["weights", "gradients"], default=["weights", "gradients"])
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective is abandoned")
 
@@ -144,21 +145,24 @@ def _worker(rank, world, store_path, layouts, opts, queue) -> None:
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
 
 
-def _seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Median over repeats of the slowest rank's time for one call (all ranks start together)."""
+def _paired_seconds(baseline: Callable[[], object], fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Medians over repeats of the slowest rank's time for one call of baseline and of fn, called
+    in alternation (all ranks start each call together), so both see the same load: 4+ ranks
+    share this machine's cores, and measured one after the other a ratio took whatever the load
+    did in between (a steady gather once read 1.94x its baseline, 0.81-1.01x in four other runs)."""
     import torch
     import torch.distributed as dist
 
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.median())
+    baseline(), fn()  # warm-up
+    times = torch.zeros(repeats, 2, dtype=torch.float64)
+    for i in range(repeats):
+        for j, f in enumerate((baseline, fn)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            f()
+            times[i, j] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return float(times[:, 0].median()), float(times[:, 1].median())
 
 
 def _record(path, mode, link, *, layout, numel, stats: dict, seconds, baseline_seconds, rel, baseline_bits):
@@ -213,13 +217,14 @@ def _gradient_records(s: _Setup, numel: int, gen) -> list[dict]:
     world = dist.group.WORLD
     x = torch.randn(numel, generator=gen).to(s.dtype)
     res = torch.empty(numel // s.topo.world_size, dtype=s.dtype)
-    base = _seconds(functools.partial(reduce_scatter_flat, res, x, world), s.reps)
     exact = torch.empty(numel // s.topo.world_size, dtype=torch.float64)
     reduce_scatter_flat(exact, x.double(), world)
     rec = CommStats()
     rs = GradReduceScatter(numel, s.topo, GradientsConfig(), record_to=rec)
     rel = _max_over_ranks(relative_error(rs(x).double(), exact))
-    secs = _seconds(functools.partial(rs, x), s.reps)
+    base, secs = _paired_seconds(
+        functools.partial(reduce_scatter_flat, res, x, world), functools.partial(rs, x), s.reps
+    )
     stats = rec.as_dict()
     return [
         s.record("gradients", "two_level", link, numel=numel, stats=stats, seconds=secs, baseline_seconds=base, rel=rel)
@@ -245,7 +250,7 @@ def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
     for _ in range(4):
         walk.append(walk[-1] + 1e-3 * torch.randn(C, generator=gen))
     shard = walk[-1].to(s.dtype)
-    base = _seconds(functools.partial(all_gather_rows, shard, dist.group.WORLD), s.reps)
+    baseline = functools.partial(all_gather_rows, shard, dist.group.WORLD)
     true = all_gather_rows(shard, dist.group.WORLD)[0].reshape(-1).float()
     out = []
     for mode in ("diff", "direct"):
@@ -264,16 +269,23 @@ def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
             wg.mark_weights_changed()
             return wg(shard)
 
-        gather = _seconds(functools.partial(wg, shard), s.reps)
+        gather = _paired_seconds(baseline, functools.partial(wg, shard), s.reps)
         # diff: the cross-node link carries the refresh, the intra-node link every gather.
-        secs = (
-            {"inter": _seconds(refresh, s.reps), "intra": gather}
+        timed = (
+            {"inter": _paired_seconds(baseline, refresh, s.reps), "intra": gather}
             if mode == "diff"
             else {"inter": gather, "intra": gather}
         )
         out += [
             s.record(
-                "weights", mode, link, numel=numel, stats=stats, seconds=secs[link], baseline_seconds=base, rel=rel
+                "weights",
+                mode,
+                link,
+                numel=numel,
+                stats=stats,
+                seconds=timed[link][1],
+                baseline_seconds=timed[link][0],
+                rel=rel,
             )
             for link in ("inter", "intra")
             if link in stats["weights"]

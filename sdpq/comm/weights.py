@@ -128,24 +128,29 @@ class WeightGather:
             mode = self.config.mode
             # Note: read the shard into a copy before writing `out` (FSDP2 passes a slice of out as
             # the input). fp32 for the quantized modes (differences in fp32), the output dtype for
-            # the exact one (bitwise the plain gather, whatever the dtype).
-            w = self._shard_copy(shard, dtype if mode == "exact" else torch.float32)
+            # the exact one (bitwise the plain gather, whatever the dtype). A diff gather without a
+            # refresh sends the reference only and never reads the shard.
             if mode == "diff":
                 if self.dirty:
-                    self._refresh(w, shard.dtype)
+                    self._refresh(self._shard_copy(shard, torch.float32), shard.dtype)
+                else:
+                    self._check_shard(shard)
                 # Note: a padded `out` receives the node-interleaved rows directly (one copy, not two).
                 direct = out is not None and out.numel() == self.padded_numel and out.is_contiguous()
                 full = self._gather_reference(dtype, out.view(-1) if out is not None and direct else None)
             elif mode == "direct":
-                full = self._gather_direct(w, dtype)
+                full = self._gather_direct(self._shard_copy(shard, torch.float32), dtype)
             else:
-                full = self._gather_exact(w, dtype)
+                full = self._gather_exact(self._shard_copy(shard, dtype), dtype)
             return self._output(full, out)
+
+    def _check_shard(self, shard: torch.Tensor) -> None:
+        if shard.numel() > self.shard_numel:
+            raise ValueError(f"shard has {shard.numel()} elements, more than shard_numel {self.shard_numel}")
 
     def _shard_copy(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The shard, zero-padded to shard_numel, as a new tensor of `dtype`."""
-        if shard.numel() > self.shard_numel:
-            raise ValueError(f"shard has {shard.numel()} elements, more than shard_numel {self.shard_numel}")
+        self._check_shard(shard)
         if shard.numel() == self.shard_numel:
             return shard.detach().reshape(-1).to(dtype, copy=True)
         w = torch.zeros(self.shard_numel, dtype=dtype, device=shard.device)

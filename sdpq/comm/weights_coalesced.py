@@ -46,12 +46,16 @@ def gather_coalesced(
         return
     topo, dtype = gathers[0].topology, outs[0].dtype
     with timing.span("weights.gather"):
-        ws = [g._shard_copy(s, torch.float32) for g, s in zip(gathers, shards)]
         # Refreshes: exact ones (first use, resync, a failed verification) go one by one inside
-        # _refresh_start; the difference rows of the others share one inter-node all-gather.
+        # _refresh_start; the difference rows of the others share one inter-node all-gather. A
+        # gather without a refresh sends its reference only and never reads its shard.
         pending = []
-        for g, w, s in zip(gathers, ws, shards):
-            row = g._refresh_start(w, s.dtype) if g.dirty else None
+        for g, s in zip(gathers, shards):
+            if not g.dirty:
+                g._check_shard(s)
+                continue
+            w = g._shard_copy(s, torch.float32)
+            row = g._refresh_start(w, s.dtype)
             if row is not None:
                 pending.append((g, w, row))
         if pending:
@@ -64,7 +68,7 @@ def gather_coalesced(
         # References: one intra-node all-gather of every bucket's R_l in the output dtype.
         refs = [g._ref for g in gathers]
         sizes = [r.numel() for r in refs]
-        src = torch.empty(sum(sizes), dtype=dtype, device=ws[0].device)
+        src = torch.empty(sum(sizes), dtype=dtype, device=refs[0].device)
         for ref, part in zip(refs, src.split(sizes)):
             part.view_as(ref).copy_(ref)  # a copy: the output never aliases R_l
         with timing.span("comm.weights"):
