@@ -235,13 +235,14 @@ def _gradient_records(s: _Setup, numel: int, gen) -> list[dict]:
 
 def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
     """The weight gather (diff: refresh across nodes + gather inside; direct) of one bucket in the
-    steady state of a random walk (update/weight ~ 1e-3, like an optimizer step), against
-    all_gather_rows in the same dtype."""
+    steady state of a random walk (update/weight ~ 1e-3, like an optimizer step), against the
+    plain all-gather in the same dtype. Both write into a bucket allocated once, as FSDP2 and
+    ZeRO-3 hand the gather their bucket."""
     import torch
     import torch.distributed as dist
 
     from ..comm import CommStats, WeightGather
-    from ..comm._exchange import all_gather_rows
+    from ..comm._exchange import _all_gather_single, all_gather_rows
     from ..config import WeightsConfig
     from ..quant import relative_error
 
@@ -250,7 +251,8 @@ def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
     for _ in range(4):
         walk.append(walk[-1] + 1e-3 * torch.randn(C, generator=gen))
     shard = walk[-1].to(s.dtype)
-    baseline = functools.partial(all_gather_rows, shard, dist.group.WORLD)
+    bucket = torch.empty(numel, dtype=s.dtype)
+    baseline = functools.partial(_all_gather_single, bucket, shard, group=dist.group.WORLD)
     true = all_gather_rows(shard, dist.group.WORLD)[0].reshape(-1).float()
     out = []
     for mode in ("diff", "direct"):
@@ -267,9 +269,9 @@ def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
 
         def refresh(wg=wg):
             wg.mark_weights_changed()
-            return wg(shard)
+            return wg(shard, out=bucket)
 
-        gather = _paired_seconds(baseline, functools.partial(wg, shard), s.reps)
+        gather = _paired_seconds(baseline, functools.partial(wg, shard, out=bucket), s.reps)
         # diff: the cross-node link carries the refresh, the intra-node link every gather.
         timed = (
             {"inter": _paired_seconds(baseline, refresh, s.reps), "intra": gather}
