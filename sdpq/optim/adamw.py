@@ -198,8 +198,8 @@ class AdamW(torch.optim.Optimizer):
                 if call is not None:
                     native.append(call)
                 if native and (i + 1 == len(todo) or todo[i + 1][1] is not group):
-                    self._native_step(group, native)
-                    native = []
+                    batch, native = native, []  # taken first: a call that raises is not retried
+                    self._native_step(group, batch)
         finally:  # a parameter that raised: those before it are stepped, as one by one
             if native:
                 self._native_step(group, native)

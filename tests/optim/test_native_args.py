@@ -135,3 +135,21 @@ def test_a_parameter_that_raises_leaves_those_before_it_stepped():
     with pytest.raises(ValueError, match="the parameter now has 256"):
         opt.step()
     assert all(not torch.equal(p, b) and float(opt.state[p]["step"]) == 2 for p, b in zip(params, before))
+
+
+def test_a_kernel_call_that_raises_is_not_made_again(monkeypatch):
+    """The cleanup that steps the parameters collected before a failure must not repeat a batch
+    whose call itself raised: the kernel may have stepped some of its parameters already."""
+    params = _params()
+    opt = AdamW(params, lr=1e-2)
+    calls = []
+
+    def failing(self, group, batch):
+        calls.append(len(batch))
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(AdamW, "_native_step", failing)
+    _grads(params, 0)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        opt.step()
+    assert calls == [3]
