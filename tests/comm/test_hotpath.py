@@ -1,0 +1,87 @@
+"""The hot-path guard: each host-synchronising operation raises inside `hot_path` while the guard
+is enabled, and nothing changes while it is off or outside a hot path."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sdpq.comm import hotpath
+from sdpq.comm.hotpath import HostSyncError, guard_enabled, hot_path
+
+# (what the error names, the call)
+SYNCS = [
+    ("Tensor.item()", lambda t: t.item()),
+    ("bool(tensor)", lambda t: bool(t)),
+    ("float(tensor)", lambda t: float(t)),
+    ("int(tensor)", lambda t: int(t)),
+    ("Tensor.tolist()", lambda t: t.tolist()),
+    ("Tensor.numpy()", lambda t: t.numpy()),
+    ("Tensor.cpu()", lambda t: t.cpu()),
+    ("Tensor.to('cpu')", lambda t: t.to("cpu")),
+    ("Tensor.to('cpu')", lambda t: t.to(torch.device("cpu"), torch.float64)),
+    ("Tensor.to('cpu')", lambda t: t.to(device="cpu")),
+    ("Tensor.to('cpu')", lambda t: t.to(torch.zeros(1))),  # like another tensor: on the CPU
+    ("bool(tensor)", lambda t: 1 if t > 0 else 0),  # an `if` on a tensor
+    ("bool(tensor)", lambda t: repr(t)),  # printing reads the values
+]
+
+
+@pytest.fixture
+def guard():
+    was = hotpath.is_guard_enabled()
+    with guard_enabled():
+        yield
+    assert hotpath.is_guard_enabled() == was
+
+
+@pytest.mark.parametrize("op,call", SYNCS, ids=[f"{i}-{s[0]}" for i, s in enumerate(SYNCS)])
+def test_each_sync_raises_inside_the_hot_path(guard, op, call):
+    t = torch.tensor(1.5)
+    with hot_path("unit test hook"), pytest.raises(HostSyncError) as e:
+        call(t)
+    assert op in str(e.value) and "unit test hook" in str(e.value)
+    call(t)  # outside the hot path: allowed (the wrappers pass through)
+
+
+@pytest.mark.parametrize("op,call", SYNCS, ids=[f"{i}-{s[0]}" for i, s in enumerate(SYNCS)])
+def test_off_is_a_no_op(op, call):
+    assert not hotpath.is_guard_enabled()
+    t = torch.tensor(1.5)
+    with hot_path("unit test hook"):
+        call(t)
+    assert hot_path("a") is hot_path("b")  # one shared no-op context: nothing allocated per call
+
+
+def test_device_work_is_allowed_and_the_guard_restores_torch(guard):
+    t = torch.arange(6.0)
+    with hot_path("unit test hook"):
+        flag = torch.where(torch.isfinite(t).all(), t, float("nan"))  # flags stay on the device
+        y = t.to(torch.float64).to(dtype=torch.bfloat16)  # dtype-only .to
+        t.to("meta")
+    assert torch.equal(flag, t) and y.dtype == torch.bfloat16
+
+
+def test_disable_restores_tensor_methods():
+    before = {n: torch.Tensor.__dict__.get(n) for n in ("item", "__bool__", "to", "cpu")}
+    with guard_enabled():
+        assert torch.Tensor.__dict__.get("item") is not None
+    assert {n: torch.Tensor.__dict__.get(n) for n in before} == before
+
+
+def test_nested_and_per_thread(guard):
+    t = torch.tensor(2.0)
+    with hot_path("outer"):
+        with hot_path("inner"), pytest.raises(HostSyncError, match="inner"):
+            t.item()
+        with pytest.raises(HostSyncError, match="outer"):
+            t.item()  # still inside the outer one
+        seen = []
+        # Another thread is not in this thread's hot path.
+        th = threading.Thread(target=lambda: seen.append(t.item()))
+        th.start()
+        th.join()
+        assert seen == [2.0]
+    assert t.item() == 2.0
