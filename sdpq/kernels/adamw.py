@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch, program_index
 from ._tile import round_half_even, to_bf16_rne
 
 __all__ = ["adamw_fp8_mcf_step"]
@@ -110,6 +111,7 @@ def _adamw_kernel(
     vg_ptr,
     n_cols,
     n_groups,
+    tiles_per_row,
     one_minus_b1,
     b2,
     one_minus_b2,
@@ -122,8 +124,9 @@ def _adamw_kernel(
     FMAX: tl.constexpr,
     LOG2_FMAX: tl.constexpr,
 ):
-    row = tl.program_id(1)
-    grp = tl.program_id(0) * GPB + tl.arange(0, GPB)
+    p = program_index()  # int64: row * n_cols may pass 2^31
+    row = p // tiles_per_row
+    grp = (p % tiles_per_row) * GPB + tl.arange(0, GPB)
     gmask = grp < n_groups
     col = grp[:, None] * G + tl.arange(0, G)[None, :]
     m = gmask[:, None] & (col < n_cols)
@@ -174,8 +177,10 @@ def adamw_fp8_mcf_step(
     G = group_size
     n_groups = -(-cols // G)
     gpb = max(1, min(triton.next_power_of_2(n_groups), max(1, 2048 // G)))
-    grid = (triton.cdiv(n_groups, gpb), rows)
-    _adamw_kernel[grid](
+    tiles_per_row = triton.cdiv(n_groups, gpb)
+    launch(
+        _adamw_kernel,
+        (tiles_per_row * rows,),  # flat: rows on a second axis would be capped at 65535
         w,
         lo,
         grad,
@@ -184,6 +189,7 @@ def adamw_fp8_mcf_step(
         *v_state,
         cols,
         n_groups,
+        tiles_per_row,
         1.0 - b1,
         b2,
         1.0 - b2,

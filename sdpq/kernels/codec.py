@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch, program_index
 from ._tile import (
     dequantize_tile,
     fwht,
@@ -90,8 +91,9 @@ def _encode_kernel(
     LOG2HB: tl.constexpr,
     WRITE_OWN: tl.constexpr,
 ):
-    r = tl.program_id(1)
-    t = tl.program_id(0)
+    p = program_index()  # int64: row offsets (r * stride) may pass 2^31
+    r = p // tiles_per_row
+    t = p % tiles_per_row
     col = t * TILE + tl.arange(0, TILE)
     m = col < n
     v = tl.load(x_ptr + r * x_stride + col, mask=m, other=0.0).to(tl.float32)
@@ -108,7 +110,9 @@ def _encode_kernel(
     vg = tl.reshape(v, [NG, G])
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
-    offs = (r * tiles_per_row + t) * TILE + tl.reshape(tl.arange(0, TILE), [NG, G])
+    # Note: the random stream's counter is the element's position modulo 2^32 (int32, as
+    # tl.rand's fast 32-bit Philox takes it): draws repeat only for elements 2^32 apart.
+    offs = (p * TILE + tl.reshape(tl.arange(0, TILE), [NG, G])).to(tl.int32)
     og = seg * tl.cdiv(n, G) + groups  # group index inside the (segmented) output row
     row_ptr = out_ptr + (r % P) * out_stride
     _store_groups(vg, row_ptr, code_bytes, og, gmask, offs, seed, flag_ptr, G, BITS, QMAX, STOCHASTIC, SCALE_BF16)
@@ -121,6 +125,7 @@ def _decode_kernel(
     out_ptr,
     out_stride,
     n,
+    tiles_per_row,
     code_bytes,
     TILE: tl.constexpr,
     G: tl.constexpr,
@@ -128,8 +133,9 @@ def _decode_kernel(
     SCALE_BF16: tl.constexpr,
     ADD: tl.constexpr,
 ):
-    r = tl.program_id(1)
-    t = tl.program_id(0)
+    p = program_index()
+    r = p // tiles_per_row
+    t = p % tiles_per_row
     NG: tl.constexpr = TILE // G
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
@@ -165,13 +171,15 @@ def _sum_rows(
 ):
     """The sum of the received rows' tile, row own_row replaced by this rank's exact values."""
     acc = tl.zeros([TILE], tl.float32)
+    row_ptr = buf_ptr  # advanced by one stride per row: 64-bit pointer arithmetic, never k * stride
     for k in range(rows):  # the same order as the reference's sum over dim 0
         if k == own_row:  # this rank's own contribution is exact, its wire row is never read
             part = tl.load(own_ptr + col, mask=m, other=0.0)
         else:
-            vals = _load_groups(buf_ptr + k * buf_stride, code_bytes, groups, gmask, G, BITS, SCALE_BF16)
+            vals = _load_groups(row_ptr, code_bytes, groups, gmask, G, BITS, SCALE_BF16)
             part = tl.reshape(vals, [TILE])
         acc += part
+        row_ptr += buf_stride
     return acc
 
 
@@ -208,7 +216,7 @@ def _reduce_kernel(
     STOCHASTIC: tl.constexpr,
     SCALE2_BF16: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = program_index()
     NG: tl.constexpr = TILE // G
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
@@ -227,7 +235,8 @@ def _reduce_kernel(
         groups2 = (t * TILE - e_row * enc_n) // G2 + tl.arange(0, NG2)
         g2mask = groups2 * G2 < enc_n
         _store_groups(
-            vg, enc_ptr + e_row * enc_stride, enc_code_bytes, groups2, g2mask, tl.reshape(col, [NG2, G2]), seed,
+            vg, enc_ptr + e_row * enc_stride, enc_code_bytes, groups2, g2mask,
+            tl.reshape(col, [NG2, G2]).to(tl.int32), seed,
             flag_ptr, G2, BITS2, QMAX2, STOCHASTIC, SCALE2_BF16,
         )  # fmt: skip
     else:
@@ -271,8 +280,10 @@ def encode_rows(
     own = torch.empty((segments, n), dtype=torch.float32, device=x.device) if own_row is not None else None
     flag = torch.zeros(1, dtype=torch.int32, device=x.device)
     ref_t = ref if ref is not None else x
-    grid = (triton.cdiv(n, tile), R)
-    _encode_kernel[grid](
+    tiles_per_row = triton.cdiv(n, tile)
+    launch(
+        _encode_kernel,
+        (tiles_per_row * R,),
         x,
         x.stride(0),
         ref_t,
@@ -283,7 +294,7 @@ def encode_rows(
         signs,
         flag,
         n,
-        grid[0],
+        tiles_per_row,
         P,
         -1 if own_row is None else own_row,
         spec.code_bytes(row_numel),
@@ -304,8 +315,20 @@ def decode_rows(buf: torch.Tensor, spec, numel: int, out: torch.Tensor, *, add: 
     """wire rows [R, wire_bytes(numel)] -> out [R, numel] (any float dtype; out += values if add)."""
     R = buf.shape[0]
     tile = _tile(numel, spec.group_size)
-    _decode_kernel[(triton.cdiv(numel, tile), R)](
-        buf, buf.stride(0), out, out.stride(0), numel, spec.code_bytes(numel), TILE=tile, ADD=add, **_spec_args(spec)
+    tiles_per_row = triton.cdiv(numel, tile)
+    launch(
+        _decode_kernel,
+        (tiles_per_row * R,),
+        buf,
+        buf.stride(0),
+        out,
+        out.stride(0),
+        numel,
+        tiles_per_row,
+        spec.code_bytes(numel),
+        TILE=tile,
+        ADD=add,
+        **_spec_args(spec),
     )
     return out
 
@@ -357,7 +380,9 @@ def reduce_rows(
     tile, out, enc, own_out, e_args = _reduce_outputs(buf, spec, numel, own, hb, encode_spec, encode_rows_n)
     flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
     stochastic = (encode_spec or spec).rounding == "stochastic"
-    _reduce_kernel[(triton.cdiv(numel, tile),)](
+    launch(
+        _reduce_kernel,
+        (triton.cdiv(numel, tile),),
         buf,
         buf.stride(0),
         R,

@@ -46,7 +46,7 @@ def test_e4m3_encoding_is_torch_rounding():
     assert torch.equal(out[~nan], want[~nan]) and out[nan].item() in (0x7F, 0xFF)
 
 
-@pytest.mark.parametrize("shape", [(3, 256), (2, 300), (1, 128 * 3 + 5)])
+@pytest.mark.parametrize("shape", [(3, 256), (2, 300), (1, 128 * 3 + 5), (2, 2048 * 2 + 300)])  # last: 3 tiles a row
 def test_fused_step_matches_pytorch_path(shape):
     torch.manual_seed(0)
     p_ref = torch.nn.Parameter(torch.randn(shape, device=DEV).to(torch.bfloat16))

@@ -1,0 +1,46 @@
+"""Where every Triton kernel of sdpq is launched from: one flat grid, checked against CUDA's limits.
+
+CUDA caps a grid at 2^31 - 1 programs on its first axis and 65535 on the other two; a launch
+past a cap fails on the GPU with "invalid argument", while Triton's interpreter (the CPU tests)
+runs it anyway. The kernels therefore put all their programs on the first axis (a row's tiles
+one after the other, rows one after the other) and recover (row, tile) from the flat index;
+``launch`` asserts the caps on every launch, so a grid that would fail on a GPU fails the CPU
+tests too. The check costs a few integer comparisons per launch.
+
+``program_index`` gives the flat index as int64: row offsets derived from it (row x stride)
+may pass 2^31 elements, where int32 arithmetic would wrap to a wrong address.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+__all__ = ["GRID_LIMITS", "check_grid", "launch", "program_index"]
+
+# CUDA's gridDim limits (x, y, z) on every architecture Triton targets.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
+def check_grid(grid: tuple[int, ...], kernel: str) -> tuple[int, ...]:
+    """`grid` unchanged if CUDA can launch it; else a ValueError naming the kernel and the axis."""
+    if not 1 <= len(grid) <= len(GRID_LIMITS):
+        raise ValueError(f"{kernel}: a grid has 1 to 3 axes, got {grid}")
+    for axis, (programs, cap) in enumerate(zip(grid, GRID_LIMITS)):
+        if not isinstance(programs, int) or not 0 <= programs <= cap:
+            raise ValueError(f"{kernel}: grid axis {axis} has {programs} programs; CUDA allows 0 to {cap}")
+    return grid
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """kernel[grid](*args, **kwargs) after check_grid."""
+    name = str(getattr(kernel, "__name__", kernel))  # a JITFunction carries its function's name
+    kernel[check_grid(tuple(grid), name)](*args, **kwargs)
+
+
+@triton.jit
+def program_index():
+    """This program's index on the flat grid, as int64 (see the module docstring)."""
+    return tl.program_id(0).to(tl.int64)
