@@ -24,8 +24,7 @@ a function, so a sync inside a Python-level torch function (`torch.nn.functional
 every hook call costs a stack push even where nothing is checked. Patching the methods of
 `torch.Tensor` (a Python class over `torch._C.TensorBase`; `bool()`, `float()` and `int()` find
 `__bool__` / `__float__` / `__int__` there) sees every call from Python, at any depth, and works
-alike on torch 2.11 - 2.15: it relies only on those methods' names and on
-`torch._C._nn._parse_to` (what `nn.Module.to` parses its arguments with). Hooks run on the
+alike on torch 2.11 - 2.15: it relies only on those methods' names and signatures. Hooks run on the
 autograd engine's device thread on CUDA; the depth is per thread, and each hook enters the guard
 on the thread it runs on.
 
@@ -108,11 +107,22 @@ def _guarded(op: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device a `Tensor.to(...)` call names, in any of its forms (device, "cpu", another
+    tensor, positional or keyword); None when it names only a dtype."""
+    for a in (kwargs.get("device"), kwargs.get("other"), *args):
+        if isinstance(a, torch.Tensor):
+            return a.device
+        if isinstance(a, (str, torch.device)):
+            return torch.device(a)
+    return None
+
+
 def _guarded_to(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def wrapper(self, *args, **kwargs):
         if getattr(_local, "where", None):
-            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            device = _target_device(args, kwargs)
             if device is not None and device.type == "cpu":
                 _refuse(f"Tensor.to({str(device)!r})")
         return orig(self, *args, **kwargs)
