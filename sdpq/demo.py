@@ -27,12 +27,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .train.settings import EXACT as TRAIN_EXACT
+
 __all__ = ["add_arguments", "main", "ARMS", "DEFAULT_ARMS", "PAIRS", "Arm", "arm_command"]
 
 # The baselines run sdpq's "exact" collectives with the framework's own optimizer: bitwise equal
 # to plain FSDP2 / ZeRO-3 (tests/integrations assert it), and their bytes are counted by the same
-# statistics as sdpq's, so the cross-node ratio compares like with like.
-EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
+# statistics as sdpq's, so the cross-node ratio compares like with like. python -m sdpq.train
+# counts a run without a block the same way (sdpq.train.settings, --count-bytes exact).
+EXACT = TRAIN_EXACT
 # The library's defaults, spelled out (an empty block would mean plain DeepSpeed): 4-bit weight
 # differences, 8/4-bit gradients with Hadamard, FP8 states + MCF master (which needs bf16); with
 # ZeRO-3, the opt-in workaround that drops its redundant bf16 master copy (FSDP2 ignores it).
@@ -104,7 +107,8 @@ def arm_command(
 ) -> list[str]:
     """The torchrun command line of arm `name` (its result goes to out/NAME.json). `args` holds the
     demo's model and layout options; block: the sdpq block ("arm" = the arm's own, None = no block,
-    i.e. the plain framework); extra: more python -m sdpq.train arguments."""
+    i.e. the plain framework, uncounted: --count-bytes off); extra: more python -m sdpq.train
+    arguments. Every setting is a flag, so it wins over any file (sdpq.train.settings' order)."""
     arm = ARMS[name]
     cmd = [
         sys.executable,
@@ -140,6 +144,8 @@ def arm_command(
         cfg = out / f"{name}.sdpq.json"
         cfg.write_text(json.dumps(block))
         cmd += ["--config", str(cfg)]
+    else:
+        cmd += ["--count-bytes", "off"]
     return cmd + arm.train_args() + list(extra)
 
 

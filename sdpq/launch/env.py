@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["JobEnv", "discover", "init_distributed", "free_port"]
+__all__ = ["JobEnv", "discover", "init_distributed", "compute_device", "free_port"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,15 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> JobE
             torch.cuda.set_device(job.local_rank)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return job
+
+
+def compute_device(group=None) -> torch.device:
+    """The device this process computes on, and so where every tensor it hands to a collective
+    must live: the current CUDA device when the process group's backend is NCCL (init_distributed
+    chose it and set the device from LOCAL_RANK), else the CPU (gloo)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def free_port() -> int:

@@ -4,8 +4,9 @@
     deepspeed --hostfile launchers/hostfile -m sdpq.train --backend deepspeed ...
     mpirun -np 4 python -m sdpq.train ...      srun python -m sdpq.train ...
 
-``--config`` takes a DeepSpeed JSON config (its "sdpq" block is used; no block = baseline) or a
-file holding just the sdpq block. Rank 0 prints progress and writes the result as JSON.
+``--config`` takes a DeepSpeed JSON config (the deepspeed backend runs it as written; no "sdpq"
+block = baseline) or a file holding just the sdpq block; flags given override it setting by
+setting (sdpq/train/settings.py). Rank 0 prints each override, progress, and the result as JSON.
 """
 
 from __future__ import annotations
@@ -16,42 +17,42 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .model import GPTConfig
 from .run import RunResult, RunSpec
+from .settings import layout, resolve
 
 __all__ = ["add_arguments", "spec_from_args", "main"]
 
 
-def _sdpq_block(path: str | None) -> dict | None:
-    if path is None:
-        return None
-    with open(path) as f:
-        cfg = json.load(f)
-    from ..config import Config
-
-    if "sdpq" in cfg or "zero_optimization" in cfg or "train_batch_size" in cfg:
-        block = Config.from_deepspeed(cfg)  # validates; None when the DeepSpeed config has no block
-        return None if block is None else cfg["sdpq"]
-    Config.from_dict(cfg)  # a bare sdpq block: validate it now, with key paths in the error
-    return cfg or None  # empty = baseline, as an empty "sdpq" block in a DeepSpeed config
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["fsdp2", "deepspeed"], default="fsdp2")
-    p.add_argument("--config", default=None, help="DeepSpeed JSON with an 'sdpq' block, or a bare sdpq block")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a DeepSpeed JSON config (run as written by the deepspeed backend; fsdp2 takes its 'sdpq' block, "
+        "optimizer params, bf16 and gradient_clipping), or a bare sdpq block. A flag given here overrides the "
+        "file for that setting only, and says so at start-up",
+    )
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
+    # Settings a --config file may hold default to None: given = overrides the file (settings.py).
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (default 4)")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (default 0.1)")
+    p.add_argument("--grad-clip", type=float, default=None, help="gradient clipping norm, 0 = none (default 1.0)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 parameters and compute (DeepSpeed: bf16.enabled); --no-bf16 turns a file's bf16 off",
+    )
     p.add_argument(
         "--mixed-precision",
-        choices=["bf16"],
+        choices=["bf16", "none"],
         default=None,
         help="bf16 compute on full-precision parameters: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
-        "reduce_dtype=fp32), DeepSpeed bf16 mode (fp32 master)",
+        "reduce_dtype=fp32), DeepSpeed bf16 mode (fp32 master); none = fp32 compute",
     )
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -60,7 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data", default=None, help="directory of text files or Megatron .bin/.idx prefix (default: stdlib source)"
     )
-    p.add_argument("--ranks-per-node", default="auto", help="'auto' (launcher's LOCAL_WORLD_SIZE) or an integer")
+    p.add_argument(
+        "--ranks-per-node",
+        default=None,
+        help="an integer (simulates nodes on one machine), or 'auto': the file's sdpq.topology.ranks_per_node, "
+        "else the launcher's LOCAL_WORLD_SIZE; an integer contradicting the file's integer is an error",
+    )
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step")
     p.add_argument("--resume", action="store_true", help="resume from --checkpoint-dir")
@@ -72,33 +78,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="record per-step time spans (compute, codec, communication, optimizer) in the result",
     )
+    p.add_argument(
+        "--count-bytes",
+        choices=["exact", "off"],
+        default="exact",
+        help="without an sdpq block: 'exact' counts cross-node bytes with sdpq's exact collectives (bitwise the "
+        "framework's own); 'off' runs the framework alone and records 'not counted'",
+    )
     # The deepspeed launcher appends --local_rank=N; the environment (LOCAL_RANK) says the same.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    rpn = args.ranks_per_node if args.ranks_per_node == "auto" else int(args.ranks_per_node)
-    return RunSpec(
-        backend=args.backend,
-        model=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model),
-        sdpq=_sdpq_block(args.config),
-        steps=args.steps,
-        micro_batch=args.micro_batch,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        warmup=args.warmup,
-        bf16=args.bf16,
-        mixed_precision=args.mixed_precision,
-        seed=args.seed,
-        data=args.data,
-        ranks_per_node=rpn,
-        checkpoint_dir=args.checkpoint_dir,
-        save_at=args.save_at,
-        resume=args.resume,
-        log_every=args.log_every,
-        eval_batches=args.eval_batches,
-        timing=args.timing,
-    )
+    """The RunSpec the arguments (and the --config file they name) resolve to (settings.resolve)."""
+    return resolve(args).spec
 
 
 def train(spec: RunSpec) -> RunResult:
@@ -116,14 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdpq.train", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    spec = spec_from_args(args)
-    from ..launch.env import init_distributed
+    from ..launch.env import discover, init_distributed
 
+    discover()  # the launcher's variables first: ranks_per_node "auto" reads them
+    resolved = resolve(args)  # bad flags or files fail here, before any rank waits for another
+    spec = resolved.spec
     job = init_distributed()
     if job.rank == 0:
+        for line in resolved.lines():
+            print(f"[sdpq.train] {line}", flush=True)
         print(
             f"[sdpq.train] launcher={job.launcher} world={job.world_size} local={job.local_world_size} "
-            f"backend={spec.backend} sdpq={'on' if spec.sdpq is not None else 'off'}",
+            f"backend={spec.backend} sdpq={'on' if spec.sdpq is not None else 'off'} "
+            f"layout={layout(job.world_size, int(spec.ranks_per_node))}",
             flush=True,
         )
     result = train(spec)

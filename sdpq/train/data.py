@@ -97,11 +97,24 @@ class TokenData:
             return cls(np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8))
         raise FileNotFoundError(f"data path {path!r}: neither a directory nor a Megatron prefix with .bin/.idx")
 
-    def batch(self, step: int, rank: int, batch_size: int, seq_len: int, seed: int = 0, split: str = "train"):
-        """(inputs, targets) int64 [batch_size, seq_len]; a pure function of its arguments."""
+    def batch(
+        self,
+        step: int,
+        rank: int,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        split: str = "train",
+        device: torch.device | str = "cpu",
+    ):
+        """(inputs, targets) int64 [batch_size, seq_len] on `device`; a pure function of its
+        arguments (the device aside)."""
         lo, hi = (0, self.split) if split == "train" else (self.split, self.tokens.size)
         g = np.random.default_rng([seed, step, rank, 0 if split == "train" else 1])
         starts = g.integers(lo, hi - seq_len - 1, size=batch_size)
         rows = np.stack([np.asarray(self.tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
         t = torch.from_numpy(rows)
+        if torch.device(device).type != "cpu":
+            # Pinned, so that the copy runs asynchronously to the host (it reads only the batch).
+            t = t.pin_memory().to(device, non_blocking=True)
         return t[:, :-1], t[:, 1:]

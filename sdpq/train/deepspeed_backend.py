@@ -10,8 +10,10 @@ the "sdpq" block) and trains it with `sdpq.deepspeed.initialize` (plain DeepSpee
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,6 +21,8 @@ import torch.distributed as dist
 
 from ..comm import stats as comm_stats
 from ..comm import timing
+from ..config import Config
+from ..launch.env import compute_device
 from .data import TokenData
 from .model import GPT
 from .run import (
@@ -33,8 +37,9 @@ from .run import (
     step_timing,
     validation_loss,
 )
+from .settings import EXACT, layout, with_ranks_per_node
 
-__all__ = ["train", "ds_config", "merge_config", "optimizer_bytes_per_param", "CKPT_TAG"]
+__all__ = ["train", "ds_config", "run_config", "merge_config", "optimizer_bytes_per_param", "CKPT_TAG"]
 
 CKPT_TAG = "step{step}"
 
@@ -69,9 +74,11 @@ def merge_config(base: dict, over: dict) -> dict:
 
 
 def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
-    """The DeepSpeed config of a run (`overrides` merged in, key by key). `torch_adam` keeps
-    DeepSpeed off its JIT-built fused Adam on CPU; the "sdpq" block gets
-    topology.ranks_per_node from the spec when it has none."""
+    """The DeepSpeed config of a run, as it is recorded: spec.deepspeed (a --config file with the
+    flags' overrides) when given, else one built from the spec (ZeRO-3, AdamW, `torch_adam` to keep
+    DeepSpeed off its JIT-built fused Adam on CPU); `overrides` merged in key by key."""
+    if spec.deepspeed is not None:
+        return merge_config(json.loads(json.dumps(spec.deepspeed)), overrides or {})
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": spec.grad_accum,
@@ -82,7 +89,7 @@ def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
             "params": {
                 "lr": spec.lr,
                 "betas": list(spec.betas),
-                "eps": 1e-8,
+                "eps": spec.eps,
                 "weight_decay": spec.weight_decay,
                 "torch_adam": True,
             },
@@ -92,11 +99,37 @@ def ds_config(spec: RunSpec, overrides: dict | None = None) -> dict:
         "wall_clock_breakdown": False,
     }
     if spec.sdpq is not None:
-        block = {k: dict(v) if isinstance(v, dict) else v for k, v in spec.sdpq.items()}
-        if spec.ranks_per_node != "auto" and "ranks_per_node" not in block.get("topology", {}):
-            block["topology"] = dict(block.get("topology", {}), ranks_per_node=spec.ranks_per_node)
-        cfg["sdpq"] = block
+        cfg["sdpq"] = json.loads(json.dumps(spec.sdpq))
     return merge_config(cfg, overrides or {})
+
+
+def run_config(spec: RunSpec, recorded: dict) -> tuple[dict, str | None]:
+    """(what sdpq.deepspeed.initialize gets, how cross-node bytes are counted or None = not
+    counted). Every key DeepSpeed reads is `recorded`'s; the "sdpq" block gets the run's
+    ranks_per_node where it says "auto" (the value sdpq would read from the launcher), and a
+    config without a block gets sdpq's exact collectives to count bytes (spec.count_bytes)."""
+    from ..integrations.deepspeed import IncompatibleConfigError, check_config
+
+    cfg = json.loads(json.dumps(recorded))
+    block = cfg.get("sdpq")
+    counter = "sdpq.stats"
+    if not block:
+        cfg.pop("sdpq", None)
+        if spec.count_bytes != "exact":
+            return cfg, None
+        block = json.loads(json.dumps(EXACT))
+        try:
+            check_config(cfg, Config.from_dict(block))
+        except IncompatibleConfigError:  # e.g. ZeRO++ or a stage other than 3: sdpq cannot be installed
+            return cfg, None
+        counter = "sdpq.stats of sdpq's exact collectives (bitwise DeepSpeed's own)"
+    topology = dict(block.get("topology") or {})
+    if topology.get("ranks_per_node", "auto") == "auto":
+        topology["ranks_per_node"] = spec.ranks_per_node
+    cfg["sdpq"] = dict(block, topology=topology)
+    if not Config.from_dict(cfg["sdpq"]).stats.enabled:
+        return cfg, None
+    return cfg, counter
 
 
 def optimizer_bytes_per_param(engine) -> float:
@@ -113,7 +146,7 @@ def optimizer_bytes_per_param(engine) -> float:
 
     rep = memory_report(_View(), extra_weights=[t for t in zopt.fp16_partitioned_groups_flat if t is not None])
     nbytes = sum(rep[k] for k in ("weights", "master", "states", "metadata"))
-    t = torch.tensor([float(nbytes), float(rep["numel"])], dtype=torch.float64)
+    t = torch.tensor([float(nbytes), float(rep["numel"])], dtype=torch.float64, device=compute_device())
     dist.all_reduce(t)
     return float(t[0] / t[1])
 
@@ -133,6 +166,7 @@ def train(
         raise RuntimeError("deepspeed_backend.train needs an initialised torch.distributed process group")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     rank, world = dist.get_rank(), dist.get_world_size()
+    spec = with_ranks_per_node(spec, world)
     data = data or (TokenData.from_path(spec.data) if spec.data else TokenData.stdlib())
     with step_timing(spec, _comm_modules() if spec.timing else ()):
         return _train(spec, sdpq_ds, rank, world, data, checks, ds_overrides)
@@ -171,33 +205,38 @@ def _resume(spec: RunSpec, engine) -> int:
     return int(client["step"])
 
 
-def _run_steps(spec: RunSpec, engine, data: TokenData, start: int, rank: int) -> tuple[list, list, list]:
-    """Steps start .. spec.steps - 1: (this rank's loss per step, seconds per step, timing spans);
-    logs and saves the checkpoint as the spec says."""
-    local = [float("nan")] * spec.steps
+def _run_steps(
+    spec: RunSpec, engine, data: TokenData, start: int, rank: int, device: torch.device, schedule: bool
+) -> tuple[torch.Tensor, list, list]:
+    """Steps start .. spec.steps - 1: (this rank's loss per step on `device`, NaN before start;
+    seconds per step; timing spans); logs and saves the checkpoint as the spec says. schedule:
+    set the warm-up + cosine learning rate (off when the config has DeepSpeed's own "scheduler")."""
+    # Note: the losses stay on the device; only a logged step reads one back to the host.
+    local = torch.full((spec.steps,), float("nan"), dtype=torch.float64, device=device)
     times: list[float] = []
     spans: list = []  # per step: {label: [inclusive s, self s, calls]} (spec.timing)
     for step in range(start, spec.steps):
         t0 = time.perf_counter()
         with timing.span("train.step"):
-            lr = lr_at(spec, step)
-            for g in engine.optimizer.param_groups:
-                g["lr"] = lr
+            if schedule:
+                for g in engine.optimizer.param_groups:
+                    g["lr"] = lr_at(spec, step)
             local[step] = 0.0
             for micro in range(spec.grad_accum):
                 i = step * spec.grad_accum + micro
-                x, y = data.batch(i, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed)
+                x, y = data.batch(i, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed, device=device)
                 with timing.span("train.fwd_bwd"):
                     loss = engine(x, y)
                     engine.backward(loss)
                 with timing.span("train.optim"):
                     engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
-                local[step] += float(loss.detach()) / spec.grad_accum
+                local[step] += loss.detach().double() / spec.grad_accum
         times.append(time.perf_counter() - t0)
         if spec.timing:
             spans.append(timing.take())
         if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
-            print(f"step {step + 1:5d}  loss(rank0) {local[step]:.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True)
+            lr, loss0 = engine.optimizer.param_groups[0]["lr"], float(local[step])
+            print(f"step {step + 1:5d}  loss(rank0) {loss0:.4f}  lr {lr:.2e}  {times[-1]:.3f}s", flush=True)
         if spec.save_at is not None and step + 1 == spec.save_at:
             if not spec.checkpoint_dir:
                 raise ValueError("RunSpec.save_at needs checkpoint_dir")
@@ -209,37 +248,45 @@ def _run_steps(spec: RunSpec, engine, data: TokenData, start: int, rank: int) ->
 def _train(
     spec: RunSpec, sdpq_ds, rank: int, world: int, data: TokenData, checks: bool, ds_overrides: dict | None
 ) -> RunResult:
+    device = compute_device()
     torch.manual_seed(spec.seed)
     model = GPT(spec.model)
     n_params = model.num_params()
-    engine, _, _, _ = sdpq_ds.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(spec, ds_overrides)
+    recorded = ds_config(spec, ds_overrides)
+    config, counter = run_config(spec, recorded)
+    engine, _, _, _ = sdpq_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # What DeepSpeed made of the config (train_batch_size alone gives the micro batch, ...).
+    spec = replace(
+        spec, micro_batch=engine.train_micro_batch_size_per_gpu(), grad_accum=engine.gradient_accumulation_steps()
     )
     adapter = sdpq_ds.get_adapter(engine)
     start = _resume(spec, engine)
     comm_stats.reset()
-    local, times, spans = _run_steps(spec, engine, data, start, rank)
-    summed = torch.tensor(local, dtype=torch.float64).nan_to_num_(0.0)
+    local, times, spans = _run_steps(spec, engine, data, start, rank, device, schedule="scheduler" not in config)
+    summed = local.nan_to_num(0.0)
     dist.all_reduce(summed)  # one collective for the whole loss curve
-    losses = [float(summed[s]) / world if s >= start else float("nan") for s in range(spec.steps)]
+    curve = (summed / world).tolist()
+    losses = [curve[s] if s >= start else float("nan") for s in range(spec.steps)]
     # Statistics of the training steps only (evaluation gathers come after).
     comm, inter = gather_comm(world)
 
     engine.eval()
-    val = validation_loss(engine, data, spec, rank, world)
+    val = validation_loss(engine, data, spec, rank, world, device)
     engine.train()
 
     zopt = engine.optimizer
+    own_block = bool(recorded.get("sdpq"))
     extra: dict[str, Any] = {
         "optimizer": type(zopt.optimizer).__module__ + "." + type(zopt.optimizer).__name__,
         "first_step": start + 1,
         "world_size": world,
         "params": n_params,
         "skipped_steps": int(engine.skipped_steps),
-        "sdpq": None if adapter is None else adapter.config.to_dict(),
-        "layout": None if adapter is None else adapter.topology.layout,
+        "sdpq": adapter.config.to_dict() if adapter is not None and own_block else None,
+        "layout": adapter.topology.layout if adapter is not None else layout(world, int(spec.ranks_per_node)),
+        "cross_node_counter": counter or "not counted",
         "step_times": times,
-        "ds_config": ds_config(spec, ds_overrides),
+        "ds_config": recorded,
     }
     if spec.timing:
         extra["timing"] = gather_step_timing(spans, world)
@@ -250,7 +297,7 @@ def _train(
         val_loss=val,
         step_seconds=median_step_seconds(times),
         comm=comm,
-        cross_node_bytes_per_step=inter / max(1, spec.steps - start),
+        cross_node_bytes_per_step=inter / max(1, spec.steps - start) if counter else "not counted",
         optimizer_bytes_per_param=optimizer_bytes_per_param(engine),
         extra=extra,
     )

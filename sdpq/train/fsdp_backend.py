@@ -26,6 +26,7 @@ from ..comm import stats as comm_stats
 from ..comm import timing
 from ..config import Config
 from ..integrations import fsdp as sdpq_fsdp
+from ..launch.env import compute_device
 from ..optim.layout import local
 from .data import TokenData
 from .model import GPT
@@ -41,6 +42,7 @@ from .run import (
     step_timing,
     validation_loss,
 )
+from .settings import EXACT, layout, with_ranks_per_node
 
 __all__ = ["train", "build_model", "build_optimizer", "save_checkpoint", "load_checkpoint", "mp_policy_for"]
 
@@ -56,10 +58,12 @@ def mp_policy_for(spec: RunSpec) -> MixedPrecisionPolicy | None:
 
 def sdpq_config(spec: RunSpec) -> Config | None:
     """The spec's sdpq block as a Config; spec.ranks_per_node fills topology.ranks_per_node
-    when the block leaves it on "auto"."""
-    if spec.sdpq is None:
+    when the block leaves it on "auto". Without a block: sdpq's exact collectives (bitwise plain
+    FSDP2) when spec.count_bytes is "exact", so that the run counts its cross-node bytes."""
+    block = spec.sdpq if spec.sdpq else (EXACT if spec.count_bytes == "exact" else None)
+    if block is None:
         return None
-    cfg = Config.from_dict(spec.sdpq)
+    cfg = Config.from_dict(block)
     if cfg.topology.ranks_per_node == "auto" and spec.ranks_per_node != "auto":
         cfg = cfg.replace(topology={"ranks_per_node": spec.ranks_per_node})
     return cfg
@@ -103,7 +107,7 @@ def build_model(
 def build_optimizer(spec: RunSpec, model, cfg: Config | None) -> tuple[torch.optim.Optimizer, str]:
     """sdpq.optim.AdamW when the sdpq block enables it, else torch.optim.AdamW; (optimizer, name)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    kw: dict[str, Any] = dict(lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    kw: dict[str, Any] = dict(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     if cfg is not None and cfg.optimizer.enabled:
         from ..optim import AdamW  # the optimizer layer (fp8/bf16/fp32 states, MCF/native master)
 
@@ -151,7 +155,7 @@ def load_checkpoint(path: str, model, opt) -> int:
 # ----------------------------------------------------------------------------- statistics
 
 
-def _optimizer_bytes_per_param(opt, model) -> float:
+def _optimizer_bytes_per_param(opt, model, device: torch.device) -> float:
     params = [p for p in model.parameters()]
     try:
         from ..optim.memory import memory_report
@@ -170,7 +174,7 @@ def _optimizer_bytes_per_param(opt, model) -> float:
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     nbytes += local(v).nbytes
-    t = torch.tensor([float(nbytes), float(numel)], dtype=torch.float64)
+    t = torch.tensor([float(nbytes), float(numel)], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t[0] / t[1])
 
@@ -204,14 +208,18 @@ def _resume(spec: RunSpec, model, opt) -> int:
     return load_checkpoint(spec.checkpoint_dir, model, opt)
 
 
-def _step(model, opt, data: TokenData, spec: RunSpec, step: int, lr: float, rank: int) -> float:
-    """One optimizer step (all micro-batches, clipping, the step); the loss summed over ranks."""
+def _step(
+    model, opt, data: TokenData, spec: RunSpec, step: int, lr: float, rank: int, device: torch.device
+) -> torch.Tensor:
+    """One optimizer step (all micro-batches, clipping, the step); the loss summed over ranks, a
+    0-d tensor on `device` (read back only where it is printed: no host sync per step)."""
     for g in opt.param_groups:
         g["lr"] = lr
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(spec.grad_accum):
         model.set_requires_gradient_sync(micro == spec.grad_accum - 1)
-        x, y = data.batch(step * spec.grad_accum + micro, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed)
+        i = step * spec.grad_accum + micro
+        x, y = data.batch(i, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed, device=device)
         with timing.span("train.fwd_bwd"):
             loss = model(x, y) / spec.grad_accum
             loss.backward()
@@ -222,7 +230,7 @@ def _step(model, opt, data: TokenData, spec: RunSpec, step: int, lr: float, rank
         opt.step()
         opt.zero_grad(set_to_none=True)
     dist.all_reduce(total)
-    return float(total)
+    return total
 
 
 def _check_records(model, cfg: Config | None, forward_digests: list) -> dict[str, Any]:
@@ -246,19 +254,21 @@ class _Steps(NamedTuple):
     forward_digests: list  # per step: (module, digest) of the weights every forward used (checks)
 
 
-def _run_steps(spec: RunSpec, model, opt, data: TokenData, start: int, checks: bool) -> _Steps:
+def _run_steps(spec: RunSpec, model, opt, data: TokenData, start: int, checks: bool, device: torch.device) -> _Steps:
     """Steps start .. spec.steps - 1: the losses (mean over ranks), times, timing spans and (with
     checks) the forward weights' digests; logs and saves the checkpoint as the spec says."""
     rank, world = dist.get_rank(), dist.get_world_size()
     forward_digests: list = []
     handles = _forward_digests(model, forward_digests) if checks else []
     out = _Steps([float("nan")] * spec.steps, [], [], [])
+    # Note: the per-step losses stay on the device until the end (one read for the whole curve).
+    losses = torch.full((spec.steps,), float("nan"), dtype=torch.float32, device=device)
     with step_timing(spec, [(dist, TORCH_COLLECTIVES, False)]):
         for step in range(start, spec.steps):
             t0 = time.perf_counter()
             lr = lr_at(spec, step)
             with timing.span("train.step"):
-                out.losses[step] = _step(model, opt, data, spec, step, lr, rank) / world
+                losses[step] = _step(model, opt, data, spec, step, lr, rank, device) / world
             out.times.append(time.perf_counter() - t0)
             if spec.timing:
                 out.spans.append(timing.take())
@@ -266,26 +276,49 @@ def _run_steps(spec: RunSpec, model, opt, data: TokenData, start: int, checks: b
                 out.forward_digests.append(list(forward_digests))
                 forward_digests.clear()
             if spec.log_every and rank == 0 and (step + 1) % spec.log_every == 0:
-                print(f"step {step + 1:5d}  loss {out.losses[step]:.4f}  lr {lr:.2e}  {out.times[-1]:.3f}s", flush=True)
+                loss = float(losses[step])
+                print(f"step {step + 1:5d}  loss {loss:.4f}  lr {lr:.2e}  {out.times[-1]:.3f}s", flush=True)
             if spec.save_at is not None and step + 1 == spec.save_at:
                 if not spec.checkpoint_dir:
                     raise ValueError("RunSpec.save_at needs checkpoint_dir")
                 save_checkpoint(spec.checkpoint_dir, model, opt, step + 1)
     for h in handles:
         h.remove()
+    out.losses[:] = losses.tolist()
     return out
 
 
-def _result(spec, model, opt, opt_name, cfg, mp_policy, steps: _Steps, val: float, start: int, checks: bool):
+def _counter(spec: RunSpec, model, cfg: Config | None) -> str | None:
+    """How the run's cross-node bytes are counted (None: not counted)."""
+    if cfg is None or not cfg.stats.enabled:
+        return None
+    if not spec.sdpq:
+        return "sdpq.stats of sdpq's exact collectives (bitwise FSDP2's own)"
+    return "sdpq.stats"
+
+
+def _layout(spec: RunSpec, model, world: int) -> str:
+    comms = sdpq_fsdp.module_comms(model) if sdpq_fsdp.is_applied(model) else {}
+    for c in comms.values():
+        return c.topology.layout
+    return layout(world, int(spec.ranks_per_node))
+
+
+def _result(
+    spec, model, opt, opt_name, cfg, mp_policy, steps: _Steps, val: float, start: int, checks: bool, device
+) -> RunResult:
     """The RunResult of a run: losses, comm statistics of every rank, and what `extra` records."""
     world = dist.get_world_size()
     comm, inter = gather_comm(world)
+    counter = _counter(spec, model, cfg)
     extra: dict[str, Any] = {
         "optimizer": opt_name,
         "first_step": start + 1,
         "world_size": world,
         "params": sum(p.numel() for p in model.parameters()),
-        "sdpq": None if cfg is None else cfg.to_dict(),
+        "layout": _layout(spec, model, world),
+        "cross_node_counter": counter or "not counted",
+        "sdpq": None if cfg is None or not spec.sdpq else cfg.to_dict(),
         "skipped_steps": getattr(opt, "skipped_steps", 0),
         "mp_policy": None if mp_policy is None else {k: str(v) for k, v in vars(mp_policy).items()},
     }
@@ -298,10 +331,16 @@ def _result(spec, model, opt, opt_name, cfg, mp_policy, steps: _Steps, val: floa
         val_loss=val,
         step_seconds=median_step_seconds(steps.times),
         comm=comm,
-        cross_node_bytes_per_step=inter / max(1, spec.steps - start),
-        optimizer_bytes_per_param=_optimizer_bytes_per_param(opt, model),
+        cross_node_bytes_per_step=inter / max(1, spec.steps - start) if counter else "not counted",
+        optimizer_bytes_per_param=_optimizer_bytes_per_param(opt, model, device),
         extra=extra,
     )
+
+
+def _mesh_device(mesh) -> torch.device:
+    """The device of a non-CPU DeviceMesh on this rank (e.g. cuda:LOCAL_RANK)."""
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
 
 
 def train(
@@ -331,6 +370,9 @@ def train(
     if not dist.is_initialized():
         raise RuntimeError("fsdp_backend.train needs an initialised torch.distributed process group")
     rank, world = dist.get_rank(), dist.get_world_size()
+    spec = with_ranks_per_node(spec, world)
+    # The device batches and all-reduced accumulators live on: the mesh's, else the process group's.
+    device = compute_device() if mesh is None or mesh.device_type == "cpu" else _mesh_device(mesh)
     data = data or (TokenData.from_path(spec.data) if spec.data else TokenData.stdlib())
     if mp_policy is not None and spec.mixed_precision is not None:
         raise ValueError("fsdp_backend.train: pass either mp_policy or spec.mixed_precision, not both")
@@ -348,13 +390,13 @@ def train(
     comm_stats.reset()
     if cfg is not None:
         sdpq_fsdp.apply(model, cfg, optimizer=opt, replicate=replicate)
-    elif replicate is not None:
+    if replicate is not None and not spec.sdpq:
         raise ValueError("fsdp_backend.train: replicate needs an sdpq block (plain HSDP: a 2-D mesh)")
     start = _resume(spec, model, opt)
-    steps = _run_steps(spec, model, opt, data, start, checks)
-    val = validation_loss(model, data, spec, rank, world)
+    steps = _run_steps(spec, model, opt, data, start, checks, device)
+    val = validation_loss(model, data, spec, rank, world, device)
 
-    result = _result(spec, model, opt, opt_name, cfg, mp_policy, steps, val, start, checks)
+    result = _result(spec, model, opt, opt_name, cfg, mp_policy, steps, val, start, checks, device)
     if cfg is not None:
         sdpq_fsdp.remove(model)
     return result

@@ -50,7 +50,8 @@ class RunSpec:
     warmup: int = 20
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping
     bf16: bool = False  # bf16 parameters/compute (MCF master needs it)
     mixed_precision: str | None = None  # "bf16": see MIXED_PRECISION (combines with bf16 for FSDP2)
     seed: int = 0
@@ -62,10 +63,21 @@ class RunSpec:
     eval_batches: int = 8
     log_every: int = 10
     timing: bool = False  # per-step time spans (sdpq.comm.timing) in RunResult.extra["timing"]
+    # Without an sdpq block: "exact" counts cross-node bytes with sdpq's exact collectives
+    # (bitwise the framework's own, see settings.EXACT); "off" runs the framework alone ("not
+    # counted"). python -m sdpq.train defaults to "exact"; library callers keep the plain framework.
+    count_bytes: Literal["exact", "off"] = "off"
+    # The DeepSpeed config to run as it is (a --config file with its overrides; deepspeed backend
+    # only); None = the one deepspeed_backend.ds_config builds from this spec.
+    deepspeed: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("fsdp2", "deepspeed"):
             raise ValueError(f"RunSpec.backend: {self.backend!r}; allowed: 'fsdp2', 'deepspeed'")
+        if self.count_bytes not in ("exact", "off"):
+            raise ValueError(f"RunSpec.count_bytes: {self.count_bytes!r}; allowed: 'exact', 'off'")
+        if self.deepspeed is not None and self.backend != "deepspeed":
+            raise ValueError("RunSpec.deepspeed: a DeepSpeed config is for backend 'deepspeed'")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"RunSpec.mixed_precision: {self.mixed_precision!r}; allowed: None, 'bf16'")
         for name in ("steps", "micro_batch", "grad_accum"):
@@ -89,7 +101,7 @@ class RunResult:
     val_loss: float
     step_seconds: float  # median wall time per step after warm-up
     comm: dict[str, Any]  # sdpq.stats summary dict (bytes per link and path)
-    cross_node_bytes_per_step: float
+    cross_node_bytes_per_step: float | str  # "not counted" where no counter ran (RunSpec.count_bytes)
     optimizer_bytes_per_param: float
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -115,18 +127,20 @@ def digest(t) -> str:
     return hashlib.sha1(t.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def validation_loss(forward, data, spec: RunSpec, rank: int, world: int) -> float:
+def validation_loss(forward, data, spec: RunSpec, rank: int, world: int, device: torch.device | str = "cpu") -> float:
     """Mean loss of ``spec.eval_batches`` validation batches per rank, averaged over all ranks
-    (NaN when eval_batches is 0). ``forward(x, y)`` returns the loss; call on every rank."""
+    (NaN when eval_batches is 0). ``forward(x, y)`` returns the loss; call on every rank. Batches
+    and the all-reduced sum live on `device` (the compute device, which the process group's
+    backend needs); the host reads the result once."""
     import torch.distributed as dist
 
     if spec.eval_batches <= 0:
         return float("nan")
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for i in range(spec.eval_batches):
-            x, y = data.batch(i, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed, split="val")
-            total += float(forward(x, y))
+            x, y = data.batch(i, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed, split="val", device=device)
+            total += forward(x, y).detach().double()
     dist.all_reduce(total)
     return float(total) / (world * spec.eval_batches)
 
