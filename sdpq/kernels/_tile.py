@@ -132,11 +132,18 @@ def dequantize_tile(codes, s):
 @triton.jit
 def fwht(x, B: tl.constexpr, LOG2B: tl.constexpr):
     """Unnormalized Walsh-Hadamard transform of each row of x [M, B] (same butterflies as
-    ``sdpq.quant.hadamard._fwht``: pairs (j, j + h) of every run of 2h become (a + b, a - b))."""
+    ``sdpq.quant.hadamard._fwht``: pairs (j, j + h) of every run of 2h become (a + b, a - b),
+    for h = 1, 2, 4, ...).
+
+    Every stage has the same shapes ("constant geometry"): it pairs neighbours, i.e. elements
+    whose positions differ in bit 0, and writes the sums to the first half of the row and the
+    differences to the second half, so the positions' bits rotate right by one. Stage i then
+    pairs the elements whose original positions differ in bit i (the reference's h = 2^i) with
+    the same operands in the same order, and after LOG2B stages every bit is back in place.
+    Note: a per-stage shape [M, B / 2h, 2, h] needs a constexpr h computed in the loop, which
+    the interpreter takes but the compiler refuses (a constexpr cannot be reassigned)."""
     M: tl.constexpr = x.shape[0]
-    for i in tl.static_range(LOG2B):
-        h: tl.constexpr = 1 << i
-        v = tl.permute(tl.reshape(x, [M, B // (2 * h), 2, h]), [0, 1, 3, 2])
-        a, b = tl.split(v)
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [M, B])
+    for _ in tl.static_range(LOG2B):
+        a, b = tl.split(tl.reshape(x, [M, B // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [M, B])
     return x
