@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .device import comm_device
+
 __all__ = ["all_gather_rows", "all_to_all_rows", "group_device", "group_size", "reduce_scatter_flat"]
 
 # torch >= 2.13 renamed the flat collectives (the old names warn); older releases lack the new.
@@ -25,9 +27,10 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_device(group) -> str:
-    """Where a small bookkeeping tensor for a collective on `group` must live (NCCL: the GPU)."""
-    return "cuda" if group is not None and dist.get_backend(group) == "nccl" else "cpu"
+def group_device(group) -> torch.device:
+    """Where a small bookkeeping tensor for a collective on `group` must live (NCCL: this rank's
+    current GPU, see comm_device). None is no group here (a group of one: no collective runs)."""
+    return torch.device("cpu") if group is None else comm_device(group)
 
 
 def all_gather_rows(row: torch.Tensor, group, async_op: bool = False):

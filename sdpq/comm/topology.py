@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TopologyConfig
+from .device import comm_device
 
 __all__ = ["group_layout", "Topology", "TopologyError", "ranks_per_node_from_env", "LOCAL_SIZE_VARIABLES"]
 
@@ -71,9 +72,10 @@ def _check_layout(L: int, world_size: int, *, check_local_rank: bool) -> None:
     ranks alike instead of deadlocking in the first collective."""
     world = dist.group.WORLD
     local_env = os.environ.get("LOCAL_RANK")
-    mine = torch.tensor([L, int(local_env) if local_env is not None else -1], dtype=torch.int64)
-    if dist.get_backend(world) == "nccl":
-        mine = mine.cuda()
+    # Note: on the world's communication device (NCCL: this rank's current GPU, not device 0).
+    mine = torch.tensor(
+        [L, int(local_env) if local_env is not None else -1], dtype=torch.int64, device=comm_device(world)
+    )
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=world)
     everyone = [t.tolist() for t in gathered]
