@@ -2,7 +2,7 @@
 every step, and the collectives they run).
 
 On a GPU, reading a device tensor's value on the host (`Tensor.item()`, `bool(t)`, `float(t)`,
-`int(t)`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")`) waits for every kernel queued
+`int(t)`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")` of a device tensor) waits for every kernel queued
 before it: inside a communication hook that stalls the CPU thread that should be queueing the
 next layer's work, and the overlap of communication and compute that FSDP2 and ZeRO-3 build
 with their streams is lost. On CPU the same calls cost nothing, so CPU tests cannot see them by
@@ -121,7 +121,10 @@ def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
 def _guarded_to(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def wrapper(self, *args, **kwargs):
-        if getattr(_local, "where", None):
+        # Note: only a copy from another device to the host is refused. On a CPU tensor .to("cpu")
+        # is a no-op, and code that moves a tensor to the device it computes on (`x.to(device)`,
+        # the CPU in gloo tests) must pass: it is a host-to-device copy on a GPU.
+        if getattr(_local, "where", None) and self.device.type != "cpu":
             device = _target_device(args, kwargs)
             if device is not None and device.type == "cpu":
                 _refuse(f"Tensor.to({str(device)!r})")

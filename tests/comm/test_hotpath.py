@@ -11,6 +11,16 @@ import torch
 from sdpq.comm import hotpath
 from sdpq.comm.hotpath import HostSyncError, guard_enabled, hot_path
 
+def _meta_to(t, *args, **kwargs):
+    """t on the meta device, then .to(*args, **kwargs): the guard sees a copy from a device to the
+    host; past the guard, torch refuses to copy a meta tensor's (absent) data."""
+    m = t.to("meta")
+    try:
+        m.to(*args, **kwargs)
+    except NotImplementedError:  # not HostSyncError (a RuntimeError, not this subclass of it)
+        pass
+
+
 # (what the error names, the call)
 SYNCS = [
     ("Tensor.item()", lambda t: t.item()),
@@ -20,10 +30,11 @@ SYNCS = [
     ("Tensor.tolist()", lambda t: t.tolist()),
     ("Tensor.numpy()", lambda t: t.numpy()),
     ("Tensor.cpu()", lambda t: t.cpu()),
-    ("Tensor.to('cpu')", lambda t: t.to("cpu")),
-    ("Tensor.to('cpu')", lambda t: t.to(torch.device("cpu"), torch.float64)),
-    ("Tensor.to('cpu')", lambda t: t.to(device="cpu")),
-    ("Tensor.to('cpu')", lambda t: t.to(torch.zeros(1))),  # like another tensor: on the CPU
+    # .to() to the host from another device (here "meta", whose copy to the CPU then fails)
+    ("Tensor.to('cpu')", lambda t: _meta_to(t, "cpu")),
+    ("Tensor.to('cpu')", lambda t: _meta_to(t, torch.device("cpu"), torch.float64)),
+    ("Tensor.to('cpu')", lambda t: _meta_to(t, device="cpu", copy=True)),
+    ("Tensor.to('cpu')", lambda t: _meta_to(t, torch.zeros(1))),  # like another tensor: on the CPU
     ("bool(tensor)", lambda t: 1 if t > 0 else 0),  # an `if` on a tensor
     ("bool(tensor)", lambda t: repr(t)),  # printing reads the values
 ]
@@ -61,6 +72,7 @@ def test_device_work_is_allowed_and_the_guard_restores_torch(guard):
         flag = torch.where(torch.isfinite(t).all(), t, float("nan"))  # flags stay on the device
         y = t.to(torch.float64).to(dtype=torch.bfloat16)  # dtype-only .to
         t.to("meta")
+        t.to("cpu", copy=True)  # a CPU tensor "to the CPU": a copy on the host, no device involved
     assert torch.equal(flag, t) and y.dtype == torch.bfloat16
 
 
