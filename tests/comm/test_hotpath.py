@@ -11,6 +11,7 @@ import torch
 from sdpq.comm import hotpath
 from sdpq.comm.hotpath import HostSyncError, guard_enabled, hot_path
 
+
 def _meta_to(t, *args, **kwargs):
     """t on the meta device, then .to(*args, **kwargs): the guard sees a copy from a device to the
     host; past the guard, torch refuses to copy a meta tensor's (absent) data."""
