@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from .._hotpath import host_read
 from ..kernels import codec_ops
 from .groupwise import QuantSpec, dequantize, nonfinite_groups, quantize
 from .hadamard import hadamard as _hadamard
@@ -92,7 +93,8 @@ def _seed(generator: torch.Generator | None) -> int:
         off = generator.get_offset()
         generator.set_offset(off + 4)
         return (generator.initial_seed() * 1_000_003 + off) % (2**31 - 1)
-    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    with host_read():  # a CPU generator's draw is a host value (CUDA tensors take the branch above)
+        return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
 
 
 def encode_rows(

@@ -98,3 +98,13 @@ def test_nested_and_per_thread(guard):
         th.join()
         assert seen == [2.0]
     assert t.item() == 2.0
+
+
+def test_host_read_suspends_the_refusal_only_inside_it(guard):
+    t = torch.tensor(3.0)
+    with hot_path("unit test hook"):
+        with hotpath.host_read():
+            assert t.item() == 3.0 and int(t) == 3
+        with pytest.raises(HostSyncError):
+            t.item()
+    assert hotpath.host_read() is not None
