@@ -4,6 +4,9 @@ handled: states unchanged, a counter incremented, a warning logged (or an error 
 Every rank must take the same decision, or shards of one model would diverge: the flag is
 max-reduced over the meshes of DTensor parameters and over an optional process group (the
 ZeRO-3 data-parallel group, whose flat partitions are plain tensors). One host sync per step.
+The flag lives on each group's communication device (comm_device), not on the parameters':
+with CPU offload (DeepSpeed's offload_optimizer, FSDP2's CPUOffloadPolicy) the parameters and
+gradients are on the CPU while the group is NCCL.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import torch
 from torch import Tensor
 
+from ..comm.device import comm_device
 from ..kernels import finite_ops
 from .layout import is_dtensor, local
 
@@ -66,13 +70,19 @@ def nonfinite_index(params: list[Tensor], all_params: list[Tensor], sync_group=N
     has inf/nan, -1 when only another rank saw one, None when all are finite everywhere.
     all_params (every parameter of the optimizer, same on all ranks) picks the groups."""
     grads = [local(p.grad) for p in params if p.grad is not None]  # params: those with a gradient
-    device = local(all_params[0]).device if all_params else torch.device("cpu")
-    flag, which = _first_nonfinite(grads, device)
     groups = _groups(all_params, sync_group)
+    if groups:
+        device = comm_device(groups[0])
+    else:
+        device = local(all_params[0]).device if all_params else torch.device("cpu")
+    flag, which = _first_nonfinite(grads, device)
     if groups:
         import torch.distributed as dist
 
         for g in groups:
+            target = comm_device(g)
+            if flag.device != target:  # a mesh whose dimensions use different backends
+                flag = flag.to(target)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
     if not flag.item():
         return None
