@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, default=str), flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({"spec": asdict(spec), **asdict(result)}, indent=1, default=str))
+            overrides = [{"line": line, **asdict(o)} for line, o in zip(resolved.lines(), resolved.overrides)]
+            record = {"spec": asdict(spec), **asdict(result), "overrides": overrides}
+            Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     import torch.distributed as dist
 
     # Note: every rank must be done with the group before any destroys it; a rank that tears

@@ -65,11 +65,17 @@ class Override:
 
     flag: str | None  # "--lr 0.001"
     key: str  # the key path in the file, "optimizer.params.lr"
-    old: Any  # the file's value (_MISSING: the file has none)
+    old: Any  # the file's value (None where in_file is False)
     new: Any
+    in_file: bool = True  # False: the file has no value at `key`
+
+    def __post_init__(self) -> None:
+        if self.old is _MISSING:
+            object.__setattr__(self, "old", None)
+            object.__setattr__(self, "in_file", False)
 
     def line(self, path: str) -> str:
-        old = "(not set)" if self.old is _MISSING else json.dumps(self.old)
+        old = json.dumps(self.old) if self.in_file else "(not set)"
         who = self.flag if self.flag is not None else "default"
         return f"{who} overrides {self.key} {old} from {path}" + ("" if self.flag else f" with {json.dumps(self.new)}")
 
