@@ -114,6 +114,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     cfg.add_argument("--check", metavar="DS_CONFIG", help="validate the 'sdpq' block of a DeepSpeed JSON config")
     cfg.set_defaults(func=_run_config)
 
+    chk = sub.add_parser("check", help="the GPU check (or its CPU rehearsal) and the packing of what it needs")
+    chk_sub = chk.add_subparsers(dest="check_command", required=True)
+    gpu_p = chk_sub.add_parser("gpu", help="exercise the CUDA path and write gpu_report.json / .md")
+    pack_p = chk_sub.add_parser("pack", help="build what the GPU machine lacks into one folder and print the command")
+    if full("check"):
+        from .check import pack as check_pack
+        from .check import runner as check_runner
+
+        check_runner.add_arguments(gpu_p)
+        gpu_p.set_defaults(func=lambda a: check_runner.exit_code(check_runner.run(a)))
+        check_pack.add_arguments(pack_p)
+        pack_p.set_defaults(func=check_pack.main)
+
     d = sub.add_parser("demo", help="the end-to-end demo (4 CPU ranks, 2 simulated nodes)")
     if full("demo"):
         from . import demo
