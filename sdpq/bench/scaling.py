@@ -12,6 +12,8 @@ assumptions in every record.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 
 from .scaling_model import (
     A100,
@@ -58,6 +60,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernel-efficiency", type=float, default=0.7, help="quantization kernels' share of HBM bandwidth (assumed)"
     )
+    p.add_argument(
+        "--gpu-report",
+        metavar="GPU_REPORT_JSON",
+        help="take --kernel-efficiency from a GPU check's gpu_report.json (the codec kernels' median GB/s "
+        "over the device's own measured copy GB/s) instead of assuming it",
+    )
+
+
+def kernel_efficiency_from_report(path: str) -> float:
+    """The codec kernels' measured share of memory bandwidth: the median over the `throughput`
+    step's kernels of kernel GB/s / copy GB/s of the same bytes (both read + written), from a
+    GPU run of `sdpq check gpu`. A copy is what the model's HBM bandwidth stands for."""
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("meta", {}).get("rehearsal"):
+        raise ValueError(f"{path}: a rehearsal on the CPU; the scaling model needs a GPU run's report")
+    step = next((s for s in doc.get("steps", []) if s.get("name") == "throughput"), None)
+    if step is None or step.get("status") != "pass":
+        raise ValueError(f"{path}: no passing 'throughput' step to take kernel times from")
+    shares = [v["of_copy"] for v in step["figures"].values() if isinstance(v, dict) and "of_copy" in v]
+    if not shares:
+        raise ValueError(f"{path}: the 'throughput' step has no kernel figures")
+    return float(statistics.median(shares))
 
 
 def _saved_ns_per_param(c: Cluster, m: GPT, lay: Layout, b: float, q: float) -> float:
@@ -141,4 +166,6 @@ def extrapolation(args: argparse.Namespace) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.gpu_report:
+        args.kernel_efficiency = kernel_efficiency_from_report(args.gpu_report)
     return extrapolation(args) if args.extrapolate else published_table(args.kernel_efficiency)

@@ -52,3 +52,22 @@ def test_fit_recovers_the_constants_of_a_synthetic_table(monkeypatch):
     monkeypatch.setattr(sm, "PUBLISHED", table)
     k = sm.fit(H800)
     assert (k.mfu, k.link_efficiency) == (0.37, 0.62)
+
+
+def test_kernel_efficiency_comes_from_a_gpu_report(tmp_path):
+    """--gpu-report replaces the assumed 0.7 by the measured kernels' share of a copy's GB/s;
+    a rehearsal's report is refused (its interpreter times mean nothing)."""
+    import json
+
+    from sdpq.bench.scaling import kernel_efficiency_from_report
+
+    def report(rehearsal, shares):
+        figures = {f"k{i}": {"of_copy": s, "kernel_gb_s": 1.0} for i, s in enumerate(shares)}
+        doc = {"meta": {"rehearsal": rehearsal}, "steps": [{"name": "throughput", "status": "pass", "figures": figures}]}
+        p = tmp_path / f"r{rehearsal}.json"
+        p.write_text(json.dumps(doc))
+        return str(p)
+
+    assert kernel_efficiency_from_report(report(False, [0.5, 0.9, 0.8])) == 0.8
+    with pytest.raises(ValueError, match="rehearsal"):
+        kernel_efficiency_from_report(report(True, [0.5]))
