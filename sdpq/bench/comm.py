@@ -221,7 +221,7 @@ def _gradient_records(s: _Setup, numel: int, gen) -> list[dict]:
     reduce_scatter_flat(exact, x.double(), world)
     rec = CommStats()
     rs = GradReduceScatter(numel, s.topo, GradientsConfig(), record_to=rec)
-    rel = _max_over_ranks(relative_error(rs(x).double(), exact))
+    rel = _max_over_ranks(float(relative_error(rs(x).double(), exact)))
     base, secs = _paired_seconds(
         functools.partial(reduce_scatter_flat, res, x, world), functools.partial(rs, x), s.reps
     )
@@ -265,7 +265,7 @@ def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
             wg.mark_weights_changed()
             got = wg(w.to(s.dtype))
         stats = rec.as_dict()
-        rel = _max_over_ranks(relative_error(got.float(), true))
+        rel = _max_over_ranks(float(relative_error(got.float(), true)))
 
         def refresh(wg=wg):
             wg.mark_weights_changed()

@@ -8,6 +8,10 @@ of the node are `intra`, the N-L others `inter`. Every byte of the wire buffer c
 padding and scales alike. `elements` counts the bucket elements those bytes carry (padding
 excluded), so bits_per_element = 8 * bytes / elements is what crossed the link per useful value.
 
+Sampled errors arrive as 0-d device tensors from inside the hot path (reading them there would
+wait for the device): they are summed on their device and read on the host only when the figures
+are (`as_dict`, `summary`, `table`), the one place statistics synchronise.
+
 Counters are per process (per rank). Every collective records into one CommStats: the
 process-wide one (`process_stats()`) unless given another; the integrations give each model /
 engine its own, whose `parent` is the process-wide one, so two models in one process keep
@@ -19,6 +23,8 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+
+import torch
 
 from ..config import StatsConfig
 
@@ -38,6 +44,43 @@ class LinkCounters:
     error_sum: float = 0.0
     error_max: float = 0.0
     nonfinite_error_samples: int = 0
+    # device -> fp64 [error sum, finite samples, non-finite samples, error max], not yet read
+    device_errors: dict = field(default_factory=dict, repr=False)
+
+    def add_error(self, relative_error: float | torch.Tensor) -> None:
+        if isinstance(relative_error, torch.Tensor):
+            self._add_device_error(relative_error)
+        elif not math.isfinite(relative_error):
+            self.nonfinite_error_samples += 1  # a skipped (overflowing) step says nothing of accuracy
+        else:
+            self.error_samples += 1
+            self.error_sum += relative_error
+            self.error_max = max(self.error_max, relative_error)
+
+    def _add_device_error(self, e: torch.Tensor) -> None:
+        """Accumulate on e's device: no host read (see the module docstring)."""
+        v = e.detach().reshape(()).to(torch.float64)
+        finite = torch.isfinite(v)
+        kept = torch.where(finite, v, 0.0)
+        one = torch.ones((), dtype=torch.float64, device=v.device)
+        upd = torch.stack((kept, torch.where(finite, one, 0.0), torch.where(finite, 0.0, one), kept))
+        acc = self.device_errors.get(v.device)
+        if acc is None:
+            self.device_errors[v.device] = upd
+        else:
+            acc[:3] += upd[:3]
+            torch.maximum(acc[3:], upd[3:], out=acc[3:])
+
+    def settle(self) -> None:
+        """Fold the device-side error sums into the host figures (reads the device: a sync)."""
+        for acc in self.device_errors.values():
+            total, finite, nonfinite, top = acc.tolist()
+            self.error_sum += total
+            self.error_samples += int(finite)
+            self.nonfinite_error_samples += int(nonfinite)
+            if finite:
+                self.error_max = max(self.error_max, top)
+        self.device_errors.clear()
 
     def as_dict(self) -> dict:
         bpe = 8.0 * self.bytes / self.elements if self.elements else float("nan")
@@ -93,15 +136,10 @@ class CommStats:
         if self.parent is not None:
             self.parent.record(path, link, bytes=bytes, elements=elements, baseline_bytes=baseline_bytes, calls=calls)
 
-    def record_error(self, path: str, link: str, relative_error: float) -> None:
+    def record_error(self, path: str, link: str, relative_error: float | torch.Tensor) -> None:
+        """One sampled relative error: a float, or a 0-d tensor kept on its device until read."""
         with self._lock:
-            c = self._get(path, link)
-            if not math.isfinite(relative_error):
-                c.nonfinite_error_samples += 1  # a skipped (overflowing) step says nothing of accuracy
-            else:
-                c.error_samples += 1
-                c.error_sum += relative_error
-                c.error_max = max(c.error_max, relative_error)
+            self._get(path, link).add_error(relative_error)
         if self.parent is not None:
             self.parent.record_error(path, link, relative_error)
 
@@ -111,8 +149,12 @@ class CommStats:
             self.counters.clear()
 
     def as_dict(self) -> dict:
-        """{path: {link: {bytes, elements, calls, bits_per_element, ...}}} for recorded pairs."""
+        """{path: {link: {bytes, elements, calls, bits_per_element, ...}}} for recorded pairs.
+        Reads the sampled errors still on the device (see the module docstring)."""
         out: dict = {}
+        with self._lock:
+            for c in self.counters.values():
+                c.settle()
         for (path, link), c in sorted(self.counters.items()):
             out.setdefault(path, {})[link] = c.as_dict()
         return out
@@ -172,7 +214,7 @@ class Recorder:
         if self.enabled:
             self.stats.record(path, link, **kw)
 
-    def record_error(self, path: str, link: str, relative_error: float) -> None:
+    def record_error(self, path: str, link: str, relative_error: float | torch.Tensor) -> None:
         if self.enabled:
             self.stats.record_error(path, link, relative_error)
 

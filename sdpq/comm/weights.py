@@ -16,6 +16,12 @@ Note (invariants): compute uses the reconstructed weights on every rank, the own
 included; R_l is bitwise identical across its holders because every holder, owner included,
 applies the same dequantized bytes with the same fp32 arithmetic; differences are taken in fp32
 against the reconstruction, so each refresh's error is fed back into the next one (no drift).
+
+Note (hot path): `gather` never reads a device value on the host. What a refresh learns about
+the reference (a non-finite weight reached it; verify_every found its holders disagreeing) is
+kept as a flag on the device (`DeviceFlag`) and read by the next `mark_weights_changed()`,
+outside the hooks, which makes the following refresh exact. Every holder of R_l computes those
+flags from the same gathered bytes, so all of them take that decision alike.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from . import timing
 from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
 from .agreement import check_agreement
+from .device_flag import DeviceFlag
 from .stats import CommStats, Recorder
 from .topology import Topology
 
@@ -40,7 +47,7 @@ __all__ = ["WeightGather", "ReferenceMismatchWarning"]
 
 
 class ReferenceMismatchWarning(RuntimeWarning):
-    """verify_every found holders of one reference disagreeing; the reference was resynced."""
+    """verify_every found holders of one reference disagreeing; the next refresh resyncs it exactly."""
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
@@ -109,6 +116,10 @@ class WeightGather:
         self.version = 0  # refreshes done
         self.calls = 0  # gathers done
         self._force_exact = False
+        # Set on the device by a refresh, read by mark_weights_changed (see the module docstring).
+        self._nonfinite = DeviceFlag()
+        self._mismatched = DeviceFlag()
+        self._verified_sums: torch.Tensor | None = None  # the checksums behind _mismatched
         self._rec = Recorder(stats, record_to)
         self._gen: torch.Generator | None = None
 
@@ -116,7 +127,10 @@ class WeightGather:
 
     def mark_weights_changed(self, exact: bool = False) -> None:
         """The weights changed (optimizer step, checkpoint load, a manual edit): the next gather
-        refreshes the reference. `exact=True` makes that refresh exact. Call on every rank."""
+        refreshes the reference. `exact=True` makes that refresh exact. Call on every rank, outside
+        the hot path: it reads what the last refresh flagged on the device (a non-finite weight, a
+        failed verification), which makes the next refresh exact."""
+        self._settle()
         self.dirty = True
         self._force_exact = self._force_exact or exact
 
@@ -183,6 +197,7 @@ class WeightGather:
         # Note: the generator is created now if it is not yet (same seed as at its first use), so
         # that what is saved does not depend on whether this rank has rounded anything yet.
         gen = self._generator(self.device) if self.config.mode != "exact" else None
+        self._settle()  # a pending exact refresh is part of the state
         return {
             "mode": self.config.mode,
             "layout": self.topology.layout,
@@ -213,6 +228,9 @@ class WeightGather:
             self.calls = int(state["calls"])
         if "generator" in state:
             self._gen = restore_generator(self._gen, state["generator"], self.device)
+        self._nonfinite.clear()  # what the replaced reference had flagged no longer applies
+        self._mismatched.clear()
+        self._verified_sums = None
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         """The stochastic-rounding stream (None with nearest rounding), created at first use."""
@@ -245,8 +263,8 @@ class WeightGather:
             # One holder and no slow link: the reference is just the shard.
             self.reference[0] = w
         else:
-            if not exact and c.verify_every > 0 and self.version % c.verify_every == 0 and self._mismatch():
-                exact = True
+            if not exact and c.verify_every > 0 and self.version % c.verify_every == 0:
+                self._verify()
             if not exact:
                 # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
                 ref, gen = self._ref[topo.node].view(1, -1), self._generator(w.device)
@@ -262,11 +280,10 @@ class WeightGather:
         with timing.span("weights.decode"):
             # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
             decode_rows(rows, self.spec, self.shard_numel, self._ref, add=True)
-            nonfinite = bool(wire_nonfinite(rows, self.spec, self.shard_numel))
-        if nonfinite:
-            # An inf/nan weight poisons R_l (and so the gathered weights, visibly); the next
-            # refresh is exact so that the reference recovers once the weights are finite again.
-            self._force_exact = True
+            # An inf/nan weight poisons R_l (its group decodes to NaN: the gathered weights show
+            # it); the refresh after the next mark is exact, so that the reference recovers once
+            # the weights are finite again.
+            self._nonfinite.raise_if(wire_nonfinite(rows, self.spec, self.shard_numel))
         self._record_refresh(rows.shape[1])
         self._refresh_done(w)
 
@@ -306,22 +323,32 @@ class WeightGather:
             baseline_bytes=peers * valid * self.dtype.itemsize,
         )
 
-    def _mismatch(self) -> bool:
-        """Compare the checksum of R_l across its holders (the inter-node group). Every holder
-        sees the same gathered sums, so all of them take the same decision."""
+    def _verify(self) -> None:
+        """Compare the checksum of R_l across its holders (the inter-node group) on the device;
+        mark_weights_changed reads the outcome. Every holder sees the same gathered sums, so all
+        of them take the same decision."""
         topo = self.topology
         with timing.span("comm.weights"):
             sums, _ = all_gather_rows(_checksum(self._ref), topo.inter_group)
         self._rec.record("weights", "inter", bytes=(topo.nodes - 1) * 16, elements=0)
-        if bool((sums == sums[0]).all()):
-            return False
-        warnings.warn(
-            f"sdpq: the weight reference of local index {topo.local_rank} differs between nodes "
-            f"(checksums {sums.tolist()}); resyncing it exactly",
-            ReferenceMismatchWarning,
-            stacklevel=4,
-        )
-        return True
+        self._verified_sums = sums
+        self._mismatched.raise_if(sums != sums[0])
+
+    def _settle(self) -> None:
+        """Read what the refreshes flagged on the device (a sync: never call it in the hot path)."""
+        if self._nonfinite.take():
+            self._force_exact = True
+        if self._mismatched.take():
+            sums = self._verified_sums
+            warnings.warn(
+                f"sdpq: the weight reference of local index {self.topology.local_rank} differs between "
+                f"nodes (checksums {None if sums is None else sums.tolist()}); the next refresh "
+                "resyncs it exactly",
+                ReferenceMismatchWarning,
+                stacklevel=3,
+            )
+            self._force_exact = True
+        self._verified_sums = None
 
     def _gather_reference(self, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
         # Note: copy=True: the output must never alias the reference (the next refresh edits it).

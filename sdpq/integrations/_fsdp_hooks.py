@@ -1,13 +1,20 @@
 """The state sdpq.fsdp installs on an FSDP2 model and the comm hooks FSDP calls (see fsdp.py).
 
-`ModuleComms` is sdpq's state for one FSDP module (its WeightGather and GradReduceScatters);
-`SdpqAllGather` / `SdpqReduceScatter` implement FSDP2's custom-comm interfaces on top of it;
-`Applied` is what `apply` records on the root model, found again with `applied(model)`.
+`ModuleComms` is sdpq's state for one FSDP module (its WeightGather, GradReduceScatter and, with
+HSDP, GradAllReduce, all built by `apply` before training); `SdpqAllGather` / `SdpqReduceScatter`
+implement FSDP2's custom-comm interfaces on top of it; `Applied` is what `apply` records on the
+root model, found again with `applied(model)`.
+
+Note (hot path): every hook runs inside `sdpq.comm.hotpath.hot_path` and never builds a collective
+(a constructor's agreement check reads the device); see docs/fsdp.md for the CUDA stream each
+hook runs and allocates on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import CommStats, GradAllReduce, GradReduceScatter, Topology, TopologyError, WeightGather
+from ..comm.hotpath import hot_path
 from ..config import Config
-
-try:  # FSDP2's comm interfaces (private module; the public methods take instances of these)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError as e:  # pragma: no cover - torch without FSDP2 custom comms
-    raise ImportError(f"sdpq.fsdp needs torch >= 2.8 with FSDP2 custom comm hooks ({e})") from e
+from . import _fsdp_internals as fsdp_internals
+from ._fsdp_internals import AllGather, ReduceScatter
 
 __all__ = [
     "ROOT_ATTR",
@@ -58,44 +63,81 @@ class ModuleComms:
     config: Config = field(repr=False)
     weights: WeightGather = field(repr=False)
     stats: CommStats = field(repr=False)  # the model's counters, shared by its modules
-    gradients: dict = field(default_factory=dict, repr=False)  # reduce-scatter numel -> GradReduceScatter
+    gradients: dict = field(default_factory=dict, repr=False)  # {grad_numel: its GradReduceScatter}
     gather_input_numel: int = 0
     grad_numel: int = 0  # reduce-scatter numel when every trainable parameter has a gradient
     replicate: Topology | None = field(default=None, repr=False)  # HSDP: the replicate group
-    replicas: dict = field(default_factory=dict, repr=False)  # all-reduce numel -> GradAllReduce
+    replicas: dict = field(default_factory=dict, repr=False)  # HSDP: {all-reduce numel: GradAllReduce}
     _saved: tuple = field(default=(), repr=False)  # FSDP's own comms, restored by remove()
+    _partial_residuals: dict = field(default_factory=dict, repr=False)  # see _residual_of
     _versions: tuple | None = field(default=None, repr=False)
     _warned: bool = field(default=False, repr=False)
 
-    def gradient_comm(self, numel: int) -> GradReduceScatter:
-        rs = self.gradients.get(numel)
-        if rs is None:
-            rs = GradReduceScatter(
-                numel,
-                self.topology,
-                self.config.gradients,
-                device=self.param_group.device,
-                stats=self.config.stats,
-                record_to=self.stats,
-            )
-            self.gradients[numel] = rs
-        return rs
+    def build(self) -> None:
+        """Build the gradient collectives (collective: every rank, in the same module order; apply
+        calls it before training). Note: the hooks never build one: a constructor checks that
+        every rank agrees on its settings, which reads a device value on the host."""
+        if not self.grad_numel:
+            return
+        device = fsdp_internals.device(self.param_group)
+        kw: dict[str, Any] = {"device": device, "stats": self.config.stats, "record_to": self.stats}
+        rs = GradReduceScatter(self.grad_numel, self.topology, self.config.gradients, **kw)
+        self.gradients[self.grad_numel] = rs
+        if self.replicate is not None:  # the reduce-scatter output this rank all-reduces
+            self.replicas[rs.chunk_numel] = GradAllReduce(rs.chunk_numel, self.replicate, self.config.gradients, **kw)
 
-    def replicate_comm(self, numel: int) -> GradAllReduce:
-        ar = self.replicas.get(numel)
-        if ar is None:
-            if self.replicate is None:
-                raise RuntimeError(f"sdpq ({self.fqn or '<root>'}): no replicate group was given to apply()")
-            ar = GradAllReduce(
-                numel,
-                self.replicate,
-                self.config.gradients,
-                device=self.param_group.device,
-                stats=self.config.stats,
-                record_to=self.stats,
+    def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """FSDP's reduce-scatter input (N rows of this module's padded gradient shards) -> out."""
+        rs = self.gradients.get(self.grad_numel)
+        n = x.numel()
+        if rs is None or n > rs.numel or n % self.topology.world_size:
+            raise RuntimeError(
+                f"sdpq ({self.fqn or '<root>'}): FSDP reduce-scatter of {n} elements; sdpq was set up for "
+                f"{self.grad_numel} (parameters made trainable after sdpq.fsdp.apply? call remove() and "
+                "apply() again)"
             )
-            self.replicas[numel] = ar
-        return ar
+        if n == rs.numel:
+            rs.reduce_scatter(x, out=out)
+            return
+        # Some parameters got no gradient this step (FSDP leaves them out): each rank's row is
+        # shorter. Zero-padded to the rows built in apply, the sums of the first columns are the
+        # same (exact mode: bitwise); statistics then count the padding as elements.
+        N, c = self.topology.world_size, n // self.topology.world_size
+        rows = x.new_zeros((N, rs.chunk_numel))
+        rows[:, :c] = x.view(N, c)
+        chunk = out.new_empty(rs.chunk_numel)
+        with self._residual_of(rs, n):
+            rs.reduce_scatter(rows.view(-1), out=chunk)
+        out.view(-1).copy_(chunk[:c])
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """HSDP: the reduce-scatter output x, summed in place across the replicate group."""
+        ar = next(iter(self.replicas.values()), None)
+        n = x.numel()
+        if ar is None or n > ar.numel:
+            raise RuntimeError(f"sdpq ({self.fqn or '<root>'}): no replicate all-reduce of {n} elements was set up")
+        if n == ar.numel:
+            ar.all_reduce(x)
+            return
+        padded = x.new_zeros(ar.numel)  # fewer gradients this step, as in reduce_scatter
+        padded[:n] = x.view(-1)
+        with self._residual_of(ar.reduce_scatter, n):
+            ar.all_reduce(padded)
+        x.view(-1).copy_(padded[:n])
+
+    @contextlib.contextmanager
+    def _residual_of(self, rs: GradReduceScatter, numel: int) -> Iterator[None]:
+        """Error feedback of a smaller bucket (see reduce_scatter): its own residual, whose
+        positions mean other parameters than the full bucket's. Not saved in checkpoints."""
+        if not rs.config.error_feedback:
+            yield
+            return
+        key = (id(rs), numel)
+        full, rs.residual = rs.residual, self._partial_residuals.get(key)
+        try:
+            yield
+        finally:
+            self._partial_residuals[key], rs.residual = rs.residual, full
 
     def check_group(self, group) -> None:
         if group is self.topology.world_group:
@@ -112,7 +154,7 @@ class ModuleComms:
         # Note: in-place updates of a sharded DTensor parameter (optimizer step, DCP
         # set_model_state_dict, mul_/copy_ by hand) bump the DTensor's own version counter (not its
         # local tensor's); edits through .data or the local tensor are not seen.
-        return tuple(fp.sharded_param._version for fp in self.param_group.fsdp_params)
+        return tuple(p._version for p in fsdp_internals.sharded_params(self.param_group))
 
 
 # ----------------------------------------------------------------------------- FSDP's comm hooks
@@ -128,6 +170,10 @@ class SdpqAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        with hot_path("FSDP2 all-gather hook"):
+            return self._gather(output_tensor, input_tensor, group)
+
+    def _gather(self, output_tensor, input_tensor, group):
         c = self.comms
         c.check_group(group)
         if input_tensor.numel() != c.gather_input_numel or output_tensor.dtype == torch.uint8:
@@ -156,7 +202,7 @@ class SdpqAllGather(AllGather):
 
 
 class SdpqReduceScatter(ReduceScatter):
-    """FSDP's gradient reduce-scatter of one module, done by a GradReduceScatter per buffer size."""
+    """FSDP's gradient reduce-scatter of one module, done by its GradReduceScatter."""
 
     def __init__(self, comms: ModuleComms):
         self.comms = comms
@@ -165,9 +211,13 @@ class SdpqReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        with hot_path("FSDP2 reduce-scatter hook"):
+            return self._reduce_scatter(output_tensor, input_tensor, group, op)
+
+    def _reduce_scatter(self, output_tensor, input_tensor, group, op):
         c = self.comms
         c.check_group(group)
-        c.gradient_comm(input_tensor.numel()).reduce_scatter(input_tensor, out=output_tensor)
+        c.reduce_scatter(input_tensor, output_tensor)
         if op == dist.ReduceOp.AVG:  # only if someone turned force-sum off again
             output_tensor.div_(group.size())
         elif op != dist.ReduceOp.SUM:
@@ -177,19 +227,23 @@ class SdpqReduceScatter(ReduceScatter):
 
 class SdpqAllReduceHook:
     """FSDP's all-reduce hook of one module (1-D FSDP on the shard group of an HSDP layout): the
-    reduce-scatter output, summed across the replicate group by a GradAllReduce per size. FSDP
+    reduce-scatter output, summed across the replicate group by the module's GradAllReduce. FSDP
     divides by the gradient divide factor afterwards (apply sets it to shard x replicate size)."""
 
     def __init__(self, comms: ModuleComms):
         self.comms = comms
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        with hot_path("FSDP2 all-reduce hook"):
+            self._all_reduce(reduce_output)
+
+    def _all_reduce(self, reduce_output: torch.Tensor) -> None:
         if reduce_output.is_cuda:
             # Note: with 1-D FSDP, FSDP2 does not keep the reduce-scatter output alive for the
             # all-reduce stream this hook runs on (it does for native HSDP); the caching
             # allocator must not hand its block to the next reduce-scatter before we are done.
             reduce_output.record_stream(torch.cuda.current_stream())
-        self.comms.replicate_comm(reduce_output.numel()).all_reduce(reduce_output)
+        self.comms.all_reduce(reduce_output)
 
 
 # ----------------------------------------------------------------------------- per-model state

@@ -37,7 +37,8 @@ bitwise; another layout (nodes, ranks per node or world size) rebuilds sdpq's st
 _fsdp_checkpoint.py) and continues.
 
 Files: this one sets up and tears down; `_fsdp_hooks.py` holds the per-module state and the comm
-hooks FSDP calls, `_fsdp_checkpoint.py` the DCP state.
+hooks FSDP calls, `_fsdp_checkpoint.py` the DCP state, `_fsdp_internals.py` every access to FSDP2's
+private objects (and the torch versions it was checked against).
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 from ..comm import CommStats, Topology, WeightGather
 from ..comm.agreement import check_agreement
 from ..comm.stats import process_stats
 from ..config import Config
+from . import _fsdp_internals as fsdp_internals
 from ._fsdp_checkpoint import ResumeLayoutWarning, load_state_dict, state_dict  # re-exported as sdpq.fsdp.*
 from ._fsdp_hooks import (
     MODULE_ATTR,
@@ -125,7 +126,7 @@ def _unwrapped(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _param_group_of(name: str, module: Any):
-    groups = module._get_fsdp_state()._fsdp_param_groups
+    groups = fsdp_internals.param_groups(module)
     if len(groups) > 1:
         raise ValueError(
             f"sdpq.fsdp: FSDP module {name or '<root>'} has {len(groups)} param groups "
@@ -133,22 +134,10 @@ def _param_group_of(name: str, module: Any):
         )
     if not groups:
         return None
-    pg = groups[0]
-    if not isinstance(pg.mesh_info, FSDPMeshInfo):
-        raise ValueError(f"sdpq.fsdp: FSDP module {name or '<root>'} is not sharded (replicate-only mesh)")
-    post = pg.post_forward_mesh_info
-    if post is not None and post is not pg.mesh_info and post != pg.mesh_info:
-        raise ValueError(
-            f"sdpq.fsdp: FSDP module {name or '<root>'} uses reshard_after_forward=<int> (resharding to a "
-            "smaller group after forward); sdpq supports True/False. sdpq's 'diff' weights already keep "
-            "a node-resident copy (like hpZ): use reshard_after_forward=True"
-        )
-    if any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather") for fp in pg.fsdp_params):
-        raise ValueError(
-            f"sdpq.fsdp: FSDP module {name or '<root>'} holds tensor subclasses with "
-            "fsdp_pre_all_gather (e.g. float8 all-gather); sdpq replaces the all-gather itself"
-        )
-    return pg
+    problem = fsdp_internals.unsupported_reason(groups[0])
+    if problem is not None:
+        raise ValueError(f"sdpq.fsdp: FSDP module {name or '<root>'} {problem}")
+    return groups[0]
 
 
 # ----------------------------------------------------------------------------- public API
@@ -183,8 +172,8 @@ def _replicate_group(replicate, groups: list) -> tuple[Any, str | None]:
     ranks = set(dist.get_process_group_ranks(group))
     for name, _, pg in groups:
         what = f"FSDP module {name or '<root>'}"
-        shard = set(dist.get_process_group_ranks(pg.mesh_info.shard_process_group))
-        if pg._is_hsdp:
+        shard = set(dist.get_process_group_ranks(fsdp_internals.shard_group(pg)))
+        if fsdp_internals.is_native_hsdp(pg):
             return group, (
                 f"sdpq.fsdp.apply: {what} is sharded on a 2-D mesh (native HSDP), whose replicate all-reduce "
                 "FSDP2 does itself; for sdpq's quantized one shard on the shard dimension only, "
@@ -207,8 +196,8 @@ def _broadcast_replicas(comms_list: list[ModuleComms], group) -> None:
     src = dist.get_process_group_ranks(group)[0]
     with torch.no_grad():
         for c in comms_list:
-            for fp in c.param_group.fsdp_params:
-                dist.broadcast(fp.sharded_param.to_local(), src=src, group=group)
+            for p in fsdp_internals.sharded_params(c.param_group):
+                dist.broadcast(p.to_local(), src=src, group=group)
 
 
 def _install(comms: ModuleComms) -> None:
@@ -219,7 +208,7 @@ def _install(comms: ModuleComms) -> None:
     m.set_force_sum_reduction_for_comms(True)
     if comms.replicate is not None:
         m.set_all_reduce_hook(SdpqAllReduceHook(comms))
-        if comms.param_group.gradient_divide_factor is None:  # else the user's: the total divisor
+        if fsdp_internals.gradient_divide_factor(comms.param_group) is None:  # else the user's: the total divisor
             m.set_gradient_divide_factor(float(comms.topology.world_size * comms.replicate.world_size))
     setattr(m, MODULE_ATTR, comms)
 
@@ -228,13 +217,14 @@ def _module_comms(
     name: str, module: nn.Module, pg, topo: Topology, cfg: Config, stats: CommStats, replicate: Topology | None
 ) -> ModuleComms:
     """The weight gather and gradient reduce-scatter (and, with HSDP, the replicate all-reduce) of
-    one FSDP module's parameter group."""
-    params = pg.fsdp_params
-    gather_in = sum(fp.padded_sharded_param_size.numel() for fp in params)
-    grad_in = sum(fp.padded_sharded_param_size.numel() for fp in params if fp.sharded_param.requires_grad)
-    dtype = pg.mp_policy.param_dtype or params[0].sharded_param.dtype
+    one FSDP module's parameter group, all built now (collective: every rank, in model order)."""
+    numels = fsdp_internals.shard_numels(pg)
+    gather_in = sum(n for n, _ in numels)
+    grad_in = sum(n for n, trainable in numels if trainable)
+    dtype = fsdp_internals.param_dtype(pg)
+    device = fsdp_internals.device(pg)
     N = topo.world_size
-    wg = WeightGather(gather_in * N, topo, cfg.weights, dtype=dtype, device=pg.device, stats=cfg.stats, record_to=stats)
+    wg = WeightGather(gather_in * N, topo, cfg.weights, dtype=dtype, device=device, stats=cfg.stats, record_to=stats)
     comms = ModuleComms(
         fqn=name,
         module=module,
@@ -247,17 +237,8 @@ def _module_comms(
         grad_numel=grad_in * N,
         replicate=replicate,
     )
-    if grad_in:
-        comms.gradient_comm(grad_in * N)
-        if replicate is not None:
-            comms.replicate_comm(grad_in)  # the reduce-scatter output this rank all-reduces
-    comms._saved = (
-        pg._all_gather_comm,
-        pg._reduce_scatter_comm,
-        pg.force_sum_reduction_for_comms,
-        pg._all_reduce_hook,
-        pg.gradient_divide_factor,
-    )
+    comms.build()
+    comms._saved = fsdp_internals.comm_settings(pg)
     return comms
 
 
@@ -266,7 +247,7 @@ def _marked_by(opts: list[torch.optim.Optimizer], comms_list: list[ModuleComms])
     out = []
     for opt in opts:
         owned = {id(p) for g in opt.param_groups for p in g["params"]}
-        marked = [c for c in comms_list if any(id(fp.sharded_param) in owned for fp in c.param_group.fsdp_params)]
+        marked = [c for c in comms_list if any(id(p) in owned for p in fsdp_internals.sharded_params(c.param_group))]
         if not marked:
             raise ValueError(
                 "sdpq.fsdp.apply: the optimizer holds none of this model's sharded parameters "
@@ -321,11 +302,10 @@ def apply(
     topologies: dict[int, Topology] = {}
     comms_list: list[ModuleComms] = []
     for name, module, pg in groups:
-        mi = pg.mesh_info
-        key = id(mi.shard_process_group)
-        if key not in topologies:
-            topologies[key] = Topology.for_group(mi.shard_process_group, world)
-        comms_list.append(_module_comms(name, module, pg, topologies[key], cfg, stats, rep_topo))
+        shard = fsdp_internals.shard_group(pg)
+        if id(shard) not in topologies:
+            topologies[id(shard)] = Topology.for_group(shard, world)
+        comms_list.append(_module_comms(name, module, pg, topologies[id(shard)], cfg, stats, rep_topo))
     marked_by_opt = _marked_by(opts, comms_list)
     # Note: nothing is installed before every check has passed.
     for comms in comms_list:
@@ -344,13 +324,7 @@ def remove(model: nn.Module) -> None:
     for h in state.hooks:
         h.remove()
     for c in state.comms:
-        ag, rs, force_sum, all_reduce_hook, divide_factor = c._saved
-        c.module.set_custom_all_gather(ag)  # FSDP's own comm objects, saved by apply
-        c.module.set_custom_reduce_scatter(rs)
-        c.module.set_force_sum_reduction_for_comms(force_sum)
-        if c.replicate is not None:
-            c.module.set_all_reduce_hook(all_reduce_hook)  # None (no hook) unless the user had one
-            c.module.set_gradient_divide_factor(divide_factor)
+        fsdp_internals.restore_comm_settings(c.module, c._saved, all_reduce=c.replicate is not None)
         delattr(c.module, MODULE_ATTR)
     delattr(model, ROOT_ATTR)
 
@@ -361,7 +335,8 @@ def is_applied(model: nn.Module) -> bool:
 
 
 def module_comms(model: nn.Module) -> dict[str, ModuleComms]:
-    """{FSDP module name: its ModuleComms} (weights: WeightGather, gradients: {numel: GradReduceScatter})."""
+    """{FSDP module name: its ModuleComms} (weights: its WeightGather, gradients: {numel: its
+    GradReduceScatter}, replicas: {numel: its GradAllReduce} with HSDP)."""
     return {c.fqn: c for c in applied(model).comms}
 
 

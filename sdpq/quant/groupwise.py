@@ -139,7 +139,11 @@ def nonfinite_groups(q: Quantized) -> torch.Tensor:
     return ~torch.isfinite(q.scales)
 
 
-def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """||approx - exact|| / ||exact|| (an all-zero `exact` divides by 1e-30): the error figure
-    that sdpq's statistics report for every quantized path."""
-    return float((approx - exact).norm() / exact.norm().clamp_min(1e-30))
+    that sdpq's statistics report for every quantized path, as a 0-d tensor on the inputs' device
+    (`float()` it to read it).
+
+    Note: a tensor, not a float: the collectives sample it inside the hot path, where reading it
+    would wait for the device; `sdpq.comm.stats` accumulates it there and reads it in summary()."""
+    return (approx - exact).norm() / exact.norm().clamp_min(1e-30)

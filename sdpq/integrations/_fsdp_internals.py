@@ -1,0 +1,141 @@
+"""Every access sdpq makes to FSDP2's private internals, behind thin named functions.
+
+FSDP2's public API (`fully_shard`, `FSDPModule.set_custom_all_gather`, `set_custom_reduce_scatter`,
+`set_all_reduce_hook`, `set_gradient_divide_factor`, `set_force_sum_reduction_for_comms`) installs
+sdpq's collectives, but sizing them needs what only the private objects say: a module's
+parameter group (`FSDPModule._get_fsdp_state()._fsdp_param_groups`), its parameters' padded shard
+sizes, its mesh and mixed-precision settings, and the comm objects `remove()` must put back. The
+rest of sdpq calls only this module, so a torch release that renames something breaks here, in
+one place, with the names listed below.
+
+Checked against: torch 2.13.0 (torch/distributed/fsdp/_fully_shard/_fsdp_api.py,
+_fsdp_common.py, _fsdp_param_group.py, _fsdp_param.py, _fully_shard.py). Not yet read: 2.11,
+2.14, 2.15 (run the FSDP2 integration tests on them: tests/integrations/test_fsdp*.py).
+
+Names used (torch 2.13):
+- `torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`, `.ReduceScatter`: the base classes
+  `set_custom_all_gather` / `set_custom_reduce_scatter` take (abstract `allocate`, `__call__`);
+- `torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo`;
+- `FSDPModule._get_fsdp_state()._fsdp_param_groups` -> list of FSDPParamGroup;
+- FSDPParamGroup: `fsdp_params`, `mesh_info` (`.shard_process_group`), `post_forward_mesh_info`,
+  `_is_hsdp`, `mp_policy.param_dtype`, `device`, `gradient_divide_factor`,
+  `force_sum_reduction_for_comms`, `_all_gather_comm`, `_reduce_scatter_comm`, `_all_reduce_hook`;
+- FSDPParam: `sharded_param` (the DTensor parameter), `_sharded_local_tensor`,
+  `padded_sharded_param_size`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+except ImportError as e:  # pragma: no cover - torch without FSDP2 custom comms
+    raise ImportError(f"sdpq.fsdp needs torch >= 2.8 with FSDP2 custom comm hooks ({e})") from e
+
+__all__ = [
+    "AllGather",
+    "ReduceScatter",
+    "param_groups",
+    "unsupported_reason",
+    "shard_group",
+    "is_native_hsdp",
+    "sharded_params",
+    "shard_numels",
+    "param_dtype",
+    "device",
+    "gradient_divide_factor",
+    "comm_settings",
+    "restore_comm_settings",
+]
+
+ParamGroup = Any  # FSDPParamGroup (private): only the functions below look inside it
+
+
+def param_groups(module: Any) -> list[ParamGroup]:
+    """The FSDP parameter groups of one module sharded with fully_shard (one unless per-parameter
+    meshes were used; none if it holds no parameters of its own)."""
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def unsupported_reason(pg: ParamGroup) -> str | None:
+    """Why sdpq cannot replace this group's collectives, or None."""
+    if not isinstance(pg.mesh_info, FSDPMeshInfo):
+        return "is not sharded (replicate-only mesh)"
+    post = pg.post_forward_mesh_info
+    if post is not None and post is not pg.mesh_info and post != pg.mesh_info:
+        return (
+            "uses reshard_after_forward=<int> (resharding to a smaller group after forward); sdpq "
+            "supports True/False. sdpq's 'diff' weights already keep a node-resident copy (like "
+            "hpZ): use reshard_after_forward=True"
+        )
+    if any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather") for fp in pg.fsdp_params):
+        return (
+            "holds tensor subclasses with fsdp_pre_all_gather (e.g. float8 all-gather); sdpq "
+            "replaces the all-gather itself"
+        )
+    return None
+
+
+def shard_group(pg: ParamGroup) -> dist.ProcessGroup:
+    """The process group the parameters are sharded over (what the all-gather runs on)."""
+    return pg.mesh_info.shard_process_group
+
+
+def is_native_hsdp(pg: ParamGroup) -> bool:
+    """Sharded on a 2-D (replicate, shard) mesh: FSDP2 all-reduces across replicas itself."""
+    return bool(pg._is_hsdp)
+
+
+def sharded_params(pg: ParamGroup) -> list[DTensor]:
+    """The group's parameters as the optimizer sees them (sharded DTensors), in FSDP's order."""
+    return [fp.sharded_param for fp in pg.fsdp_params]
+
+
+def shard_numels(pg: ParamGroup) -> list[tuple[int, bool]]:
+    """Per parameter, in FSDP's order: (elements of its padded shard on this rank, whether it
+    requires a gradient). FSDP's flat all-gather input is their concatenation; its reduce-scatter
+    input, per rank, that of the parameters that got a gradient."""
+    return [(fp.padded_sharded_param_size.numel(), fp.sharded_param.requires_grad) for fp in pg.fsdp_params]
+
+
+def param_dtype(pg: ParamGroup) -> torch.dtype:
+    """The dtype FSDP all-gathers in: the mixed-precision param dtype, else the parameters'."""
+    return pg.mp_policy.param_dtype or pg.fsdp_params[0].sharded_param.dtype
+
+
+def device(pg: ParamGroup) -> torch.device:
+    return pg.device
+
+
+def gradient_divide_factor(pg: ParamGroup) -> float | None:
+    """The divide factor set with set_gradient_divide_factor, None if nobody set one."""
+    return pg.gradient_divide_factor
+
+
+def comm_settings(pg: ParamGroup) -> tuple:
+    """What apply() changes on the group, as remove() must restore it: (all-gather comm,
+    reduce-scatter comm, force-sum flag, all-reduce hook, gradient divide factor)."""
+    return (
+        pg._all_gather_comm,
+        pg._reduce_scatter_comm,
+        pg.force_sum_reduction_for_comms,
+        pg._all_reduce_hook,
+        pg.gradient_divide_factor,
+    )
+
+
+def restore_comm_settings(module: Any, saved: tuple, *, all_reduce: bool) -> None:
+    """Put back what comm_settings() returned, through FSDPModule's public setters."""
+    all_gather, reduce_scatter, force_sum, all_reduce_hook, divide_factor = saved
+    module.set_custom_all_gather(all_gather)
+    module.set_custom_reduce_scatter(reduce_scatter)
+    module.set_force_sum_reduction_for_comms(force_sum)
+    if all_reduce:
+        module.set_all_reduce_hook(all_reduce_hook)  # None (no hook) unless the user had one
+        module.set_gradient_divide_factor(divide_factor)
