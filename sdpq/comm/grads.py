@@ -50,7 +50,7 @@ _NAN = float("nan")
 class _Call(NamedTuple):
     """What the stages of one two-level call share."""
 
-    X: torch.Tensor  # [N, padded chunk] fp32: the bucket, one row per destination rank
+    x: torch.Tensor  # the flat bucket as given (slices of fp32 rows are made from it one by one)
     result: torch.Tensor  # [padded chunk] fp32: this rank's reduced chunk
     had: tuple[int, int] | None  # (Hadamard block, seed)
     gen: torch.Generator | None  # stochastic rounding stream
@@ -198,14 +198,16 @@ class GradReduceScatter:
     def _exact(self, x: torch.Tensor) -> torch.Tensor:
         topo = self.topology
         N, cn = topo.world_size, self.chunk_numel
-        buf = x
+        # A plain reduce-scatter would only bring an inf to the rank owning it: a rank holding a
+        # non-finite value sends NaN everywhere instead (finite inputs travel unchanged, so the
+        # result is bitwise the plain collective's). One copy of the bucket, never two.
+        bad = ~torch.isfinite(x).all()
         if N * cn != self.numel:
             buf = torch.zeros(N * cn, dtype=x.dtype, device=x.device)
             buf[: self.numel] = x
-        # A plain reduce-scatter would only bring an inf to the rank owning it: a rank holding a
-        # non-finite value sends NaN everywhere instead (finite inputs travel unchanged, so the
-        # result is bitwise the plain collective's).
-        buf = torch.where(torch.isfinite(x).all(), buf, _NAN)
+            buf.masked_fill_(bad, _NAN)
+        else:
+            buf = x.masked_fill(bad, _NAN)
         if N == 1:
             return buf
         res = torch.empty(cn, dtype=x.dtype, device=x.device)
@@ -229,20 +231,37 @@ class GradReduceScatter:
             )
         return self._gen
 
+    def _slice_rows(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """Pipeline slice j of the flat bucket x as rows [N, S]: columns j*S .. (j+1)*S of every
+        chunk (chunk r in row r), zero past the chunk and past the bucket.
+
+        Note (memory): a view of x (in x's dtype: the encodes read any float dtype, and widening
+        to fp32 is exact) when the bucket needs no padding, else an fp32 buffer of one slice: the
+        bucket is never copied whole, and a slice's rows are freed once encoded (the stages only
+        read them: encodes and sums write new buffers)."""
+        N, cn, C, S = self.topology.world_size, self.chunk_numel, self.padded_chunk, self.slice_numel
+        if cn == C and N * cn == self.numel:
+            return x.view(N, C)[:, j * S : (j + 1) * S]
+        rows = torch.zeros((N, S), dtype=torch.float32, device=x.device)
+        lo, hi = j * S, min((j + 1) * S, cn)  # the chunk columns this slice takes from x
+        if hi <= lo:
+            return rows
+        full = self.numel // cn  # chunks that lie in x entirely; chunk `full` partly, if any
+        rows[:full, : hi - lo] = x[: full * cn].view(full, cn)[:, lo:hi]
+        part = self.numel - full * cn  # elements of chunk `full` in x
+        if full < N and part > lo:
+            rows[full, : min(hi, part) - lo] = x[full * cn + lo : full * cn + min(hi, part)]
+        return rows
+
     def _two_level(self, x: torch.Tensor) -> torch.Tensor:
         topo, c = self.topology, self.config
-        N, cn, C = topo.world_size, self.chunk_numel, self.padded_chunk
-        flat = torch.zeros(N * cn, dtype=torch.float32, device=x.device)
-        flat[: self.numel] = x
-        X = torch.zeros((N, C), dtype=torch.float32, device=x.device)
-        X[:, :cn] = flat.view(N, cn)
-        del flat
+        cn, C = self.chunk_numel, self.padded_chunk
         if c.error_feedback and topo.nodes > 1 and self.residual is None:
             self.residual = torch.zeros((topo.nodes, C), dtype=torch.float32, device=x.device)
         sample = self._rec.sample_due(self.calls)
         call = _Call(
-            X=X,
-            result=torch.empty(C, dtype=torch.float32, device=x.device),
+            x=x,
+            result=torch.empty(0, dtype=torch.float32, device=x.device),  # allocated below
             had=(self.hadamard_block, c.seed) if c.hadamard else None,
             gen=self._generator(x.device),
             sample=sample,
@@ -251,12 +270,20 @@ class GradReduceScatter:
             fused_inter=self.residual is None and not sample,
         )
         # Software pipeline: inter(j) is in flight while intra(j+1) is prepared and exchanged.
-        intra = self._issue_intra(call, 0)
+        # Note (memory): a stage's buffers (sent and received rows, own rows; an exchange's work
+        # object holds its input) are dropped as soon as the stage is summed, before the next
+        # stage allocates its own.
+        intra = [self._issue_intra(call, 0)]  # the intra exchange in flight (none after the last)
+        # The result chunk is allocated once slice 0 is encoded: that slice's rows are freed by then.
+        call = call._replace(result=torch.empty(C, dtype=torch.float32, device=x.device))
         for j in range(self.slices):
-            inter = self._issue_inter(call, j, self._finish_intra(call, intra))
+            part = self._finish_intra(call, intra.pop())
+            inter = self._issue_inter(call, j, part)
+            del part
             if j + 1 < self.slices:
-                intra = self._issue_intra(call, j + 1)
+                intra.append(self._issue_intra(call, j + 1))
             self._finish_inter(call, j, inter)
+            del inter
         self._record_two_level(x.element_size())
         call.result[self._valid_own :] = 0  # padding and past-the-end positions
         return call.result[:cn]
@@ -265,10 +292,10 @@ class GradReduceScatter:
         """Encode slice j for the intra-node all-to-all and start it (own row kept exact)."""
         topo, S, had = self.topology, self.slice_numel, call.had
         L, nodes, l = topo.ranks_per_node, topo.nodes, topo.local_rank
-        Xj = call.X[:, j * S : (j + 1) * S]
+        Xj = self._slice_rows(call.x, j)
         if L == 1:  # no intra stage: the "node partial" is the rank's own (transformed) rows
             with timing.span("grads.encode"):
-                return _Pending(_hadamard(Xj, *had) if had else Xj, None, None, None)
+                return _Pending(_hadamard(Xj, *had) if had else Xj.float(), None, None, None)
         # Wire row l' = chunks {n' * L + l'} of this slice (segments of one row, in node order).
         with timing.span("grads.encode"):
             wire, own, bad = encode_rows(
@@ -276,12 +303,13 @@ class GradReduceScatter:
             )
             poison_scales_(wire, self.intra_spec, nodes * S, bad)
         if call.sample:
-            seg = (_hadamard(Xj, *had) if had else Xj).reshape(nodes, L, S).transpose(0, 1)
+            seg = (_hadamard(Xj, *had) if had else Xj.float()).reshape(nodes, L, S).transpose(0, 1)
             got = decode_rows(wire, self.intra_spec, nodes * S, torch.empty(L, nodes * S, device=Xj.device))
             others = [k for k in range(L) if k != l]
             self._rec.record_error(
                 "gradients", "intra", relative_error(got[others], seg[others].reshape(L - 1, nodes * S))
             )
+        del Xj  # (a slice-sized copy, unless a view of x) before the exchange allocates
         with timing.span("comm.grads"):
             recv, work = all_to_all_rows(wire, topo.intra_group, async_op=True)
         return _Pending(own, recv, work, bad)

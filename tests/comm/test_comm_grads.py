@@ -231,3 +231,45 @@ def test_ranks_that_disagree_fail_alike_with_the_setting_named(dist, key, value)
     errors = dist.run(_build_with, 4, 2, kwargs, numel)
     assert all(e is not None for e in errors) and len(set(errors)) == 1, errors
     assert key in errors[0] and "on ranks [3]" in errors[0] and "on ranks [0, 1, 2]" in errors[0]
+
+
+
+def _peak_bytes(fn) -> int:
+    """The largest rise of this process's allocated CPU tensor bytes while fn() runs (torch's
+    memory profiler: every allocation and free, in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _peak_case(ctx, numel, dtype, cfg_kwargs):
+    topo = Topology.build(ctx.ranks_per_node)
+    rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), record_to=CommStats())
+    x = all_inputs(ctx.world_size, numel, "normal", 5)[ctx.rank].to(dtype)
+    rs(x)  # the first call builds lazy state (rounding streams, Hadamard signs): not the bucket's
+    return _peak_bytes(lambda: rs(x)) / (4 * numel)
+
+
+@pytest.mark.parametrize("nodes,rpn", [(2, 2), (1, 4)], ids=["2x2", "1x4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pad", [0, 1000], ids=["whole", "padded"])
+def test_peak_memory_of_a_call(dist, nodes, rpn, dtype, pad):
+    """Bytes allocated at once by one two-level call, in units of the bucket's fp32 size B.
+
+    The bucket's rows are made one pipeline slice at a time (a view of the input when it needs no
+    padding) and each stage's buffers are freed before the next stage allocates. Unpipelined, the
+    largest moment is the encode of the single slice: its fp32 rows (B, a copy for padded or bf16
+    buckets), this rank's own rows (B / ranks per node) and the 8-bit wire rows (~B / 4): under
+    2B, the two full fp32 copies of the bucket that were once alive together. In 4 slices every
+    piece is a quarter (two slices overlap in flight) plus the result chunk (B / N): under B."""
+    N = nodes * rpn
+    for slices, bound in ((1, 2.0), (4, 1.0)):
+        peaks = dist.run(_peak_case, N, rpn, N * 65536 - pad, dtype, {"pipeline_chunks": slices})
+        assert max(peaks) < bound, (slices, peaks)
