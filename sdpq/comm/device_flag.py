@@ -50,15 +50,15 @@ class DeviceFlag:
 
     def take(self) -> bool:
         """The flag's value (False when nothing was raised), then cleared. Not for the hot path."""
-        value = self._value
-        if value is None:
+        if self._value is None:
             return False
-        self._value = None
         if self._event is not None and self._host is not None:
             self._event.synchronize()
-            self._event = None
-            return bool(self._host)
-        return bool(value)
+            result = bool(self._host)
+        else:
+            result = bool(self._value)
+        self.clear()  # after the read: a read that raised leaves the flag as it was
+        return result
 
     def clear(self) -> None:
         self._value = None

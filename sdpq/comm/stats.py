@@ -44,7 +44,7 @@ class LinkCounters:
     error_sum: float = 0.0
     error_max: float = 0.0
     nonfinite_error_samples: int = 0
-    # device -> fp64 [error sum, finite samples, non-finite samples, error max], not yet read
+    # (device, stream) -> fp64 [error sum, finite samples, non-finite samples, error max], not yet read
     device_errors: dict = field(default_factory=dict, repr=False)
 
     def add_error(self, relative_error: float | torch.Tensor) -> None:
@@ -60,19 +60,25 @@ class LinkCounters:
     def _add_device_error(self, e: torch.Tensor) -> None:
         """Accumulate on e's device: no host read (see the module docstring)."""
         v = e.detach().reshape(()).to(torch.float64)
+        # Note: one accumulator per CUDA stream: the hooks of one path run on several (FSDP2's
+        # reduce-scatter and all-reduce streams), and an in-place sum shared between unordered
+        # streams would lose samples.
+        key = (v.device, torch.cuda.current_stream(v.device).stream_id if v.is_cuda else 0)
         finite = torch.isfinite(v)
         kept = torch.where(finite, v, 0.0)
         one = torch.ones((), dtype=torch.float64, device=v.device)
         upd = torch.stack((kept, torch.where(finite, one, 0.0), torch.where(finite, 0.0, one), kept))
-        acc = self.device_errors.get(v.device)
+        acc = self.device_errors.get(key)
         if acc is None:
-            self.device_errors[v.device] = upd
+            self.device_errors[key] = upd
         else:
             acc[:3] += upd[:3]
             torch.maximum(acc[3:], upd[3:], out=acc[3:])
 
     def settle(self) -> None:
         """Fold the device-side error sums into the host figures (reads the device: a sync)."""
+        for device in {d for d, _ in self.device_errors if d.type == "cuda"}:
+            torch.cuda.synchronize(device)  # every stream that added to them, not only this one
         for acc in self.device_errors.values():
             total, finite, nonfinite, top = acc.tolist()
             self.error_sum += total

@@ -108,3 +108,41 @@ def test_host_read_suspends_the_refusal_only_inside_it(guard):
         with pytest.raises(HostSyncError):
             t.item()
     assert hotpath.host_read() is not None
+
+
+def test_sampled_errors_accumulate_on_the_device_and_are_read_by_the_summary(guard):
+    from sdpq.comm.stats import CommStats
+    from sdpq.quant.groupwise import relative_error
+
+    parent = CommStats()
+    stats = CommStats(parent=parent)
+    exact = torch.tensor([3.0, 4.0])
+    with hot_path("unit test hook"):
+        for approx in ([3.0, 4.5], [3.0, 4.0], [float("nan"), 4.0], [3.5, 4.0]):
+            stats.record_error("gradients", "inter", relative_error(torch.tensor(approx), exact))
+    stats.record_error("gradients", "inter", 0.2)  # a float from elsewhere still counts
+    for s in (stats, parent):
+        d = s.as_dict()["gradients"]["inter"]  # outside the hot path: the one read
+        assert d["error_samples"] == 4  # the NaN sample (a skipped step) is counted apart
+        assert d["relative_error_mean"] == pytest.approx((0.1 + 0.0 + 0.1 + 0.2) / 4)
+        assert d["relative_error_max"] == pytest.approx(0.2)
+    assert stats.counters[("gradients", "inter")].nonfinite_error_samples == 1
+    stats.reset()
+    assert stats.as_dict() == {}
+
+
+def test_device_flag_is_raised_in_the_hot_path_and_read_outside(guard):
+    from sdpq.comm.device_flag import DeviceFlag
+
+    flag = DeviceFlag()
+    assert not flag.pending and flag.take() is False
+    with hot_path("unit test hook"):
+        flag.raise_if(torch.tensor([False, False]))
+        flag.raise_if(torch.tensor(False))
+    assert flag.pending and flag.take() is False and not flag.pending
+    with hot_path("unit test hook"):
+        flag.raise_if(torch.isnan(torch.tensor([1.0, float("nan")])))
+        flag.raise_if(torch.tensor(False))  # an OR: stays raised
+        with pytest.raises(HostSyncError):
+            flag.take()  # reading it is a sync
+    assert flag.take() is True and flag.take() is False
