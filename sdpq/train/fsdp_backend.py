@@ -60,7 +60,7 @@ def sdpq_config(spec: RunSpec) -> Config | None:
     """The spec's sdpq block as a Config; spec.ranks_per_node fills topology.ranks_per_node
     when the block leaves it on "auto". Without a block: sdpq's exact collectives (bitwise plain
     FSDP2) when spec.count_bytes is "exact", so that the run counts its cross-node bytes."""
-    block = spec.sdpq if spec.sdpq else (EXACT if spec.count_bytes == "exact" else None)
+    block = spec.sdpq if spec.sdpq is not None else (EXACT if spec.count_bytes == "exact" else None)
     if block is None:
         return None
     cfg = Config.from_dict(block)
@@ -292,7 +292,7 @@ def _counter(spec: RunSpec, model, cfg: Config | None) -> str | None:
     """How the run's cross-node bytes are counted (None: not counted)."""
     if cfg is None or not cfg.stats.enabled:
         return None
-    if not spec.sdpq:
+    if spec.sdpq is None:
         return "sdpq.stats of sdpq's exact collectives (bitwise FSDP2's own)"
     return "sdpq.stats"
 
@@ -318,7 +318,7 @@ def _result(
         "params": sum(p.numel() for p in model.parameters()),
         "layout": _layout(spec, model, world),
         "cross_node_counter": counter or "not counted",
-        "sdpq": None if cfg is None or not spec.sdpq else cfg.to_dict(),
+        "sdpq": None if cfg is None or spec.sdpq is None else cfg.to_dict(),
         "skipped_steps": getattr(opt, "skipped_steps", 0),
         "mp_policy": None if mp_policy is None else {k: str(v) for k, v in vars(mp_policy).items()},
     }
@@ -390,7 +390,7 @@ def train(
     comm_stats.reset()
     if cfg is not None:
         sdpq_fsdp.apply(model, cfg, optimizer=opt, replicate=replicate)
-    if replicate is not None and not spec.sdpq:
+    if replicate is not None and spec.sdpq is None:
         raise ValueError("fsdp_backend.train: replicate needs an sdpq block (plain HSDP: a 2-D mesh)")
     start = _resume(spec, model, opt)
     steps = _run_steps(spec, model, opt, data, start, checks, device)

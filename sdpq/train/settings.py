@@ -56,6 +56,17 @@ _DEFAULT_OPTIMIZER = {
     },
 }
 _MISSING = object()
+# Keys that make a --config file a DeepSpeed config (DeepSpeed needs a batch size; "optimizer" is
+# an sdpq section too, so it does not count).
+_DEEPSPEED_KEYS = (
+    "sdpq",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "bf16",
+    "fp16",
+)
 
 
 @dataclass(frozen=True)
@@ -91,14 +102,14 @@ class Resolved:
 
 
 def load_config(path: str) -> tuple[dict | None, dict | None]:
-    """(the DeepSpeed config or None, the sdpq block or None) of a --config file; a file that is
-    a bare sdpq block (no DeepSpeed key) gives (None, block). Validates the block."""
+    """(the DeepSpeed config or None, the sdpq block or None) of a --config file; a file with none
+    of _DEEPSPEED_KEYS is a bare sdpq block, (None, block), where a typo fails with its key path.
+    Validates the block."""
     with open(path) as f:
         cfg = json.load(f)
     if not isinstance(cfg, dict):
         raise ConfigError(f"--config {path}: expected a JSON object, got {type(cfg).__name__}")
-    ds_keys = ("sdpq", "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "optimizer")
-    if any(k in cfg for k in ds_keys):
+    if any(k in cfg for k in _DEEPSPEED_KEYS):
         block = Config.from_deepspeed(cfg)  # validates; None when the block is absent or empty
         return cfg, (None if block is None else dict(cfg["sdpq"]))
     Config.from_dict(cfg)  # a bare sdpq block: validate it now, with key paths in the error

@@ -131,3 +131,13 @@ def test_baseline_counts_with_exact_collectives_or_says_not_counted():
     assert run_config(RunSpec(backend="deepspeed", count_bytes="exact", deepspeed=zeropp), zeropp) == (zeropp, None)
     quiet = dict(base, sdpq={"stats": {"enabled": False}})
     assert run_config(RunSpec(backend="deepspeed", ranks_per_node=2, deepspeed=quiet), quiet)[1] is None
+
+
+def test_a_bare_sdpq_block_is_one_even_with_an_optimizer_section(tmp_path):
+    path = tmp_path / "block.json"
+    path.write_text(json.dumps(EXACT))  # "optimizer" is an sdpq section here, not DeepSpeed's block
+    r = _resolve("--config", str(path), "--ranks-per-node", "2")
+    assert r.spec.sdpq == {**EXACT, "topology": {"ranks_per_node": 2}} and r.spec.lr == 1e-3
+    path.write_text(json.dumps({"weightz": {}}))
+    with pytest.raises(ConfigError, match="weightz"):
+        _resolve("--config", str(path))
