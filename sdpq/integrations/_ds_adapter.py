@@ -175,7 +175,7 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
                 self.topology,
                 wcfg,
                 dtype=p.ds_tensor.dtype,
-                device=p.ds_tensor.device,
+                device=self._device,
                 stats=self.config.stats,
                 record_to=self.stats,
             )
@@ -191,14 +191,17 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         """Gathers params (the same list, in the same order, on every rank) into their .data:
         one inter-node and one intra-node collective for the whole list (gather_coalesced)."""
         gathers, shards, outs = [], [], []
+        device = self._device
         for p in params:
             wg = self._weight_gather(p)
             shard = p.ds_tensor.data
             valid = max(0, min(wg.shard_numel, p.ds_numel - self.topology.rank * wg.shard_numel))
             gathers.append(wg)
             # Note: only the valid part of the last partitions: padding must not enter quantization groups.
-            shards.append(shard.narrow(0, 0, valid))
-            outs.append(torch.empty(p.ds_numel, dtype=shard.dtype, device=shard.device))
+            # Like DeepSpeed's own gather, a partition offloaded to the CPU (offload_param) is
+            # copied to the accelerator first; the gathered parameter lives there.
+            shards.append(shard.narrow(0, 0, valid).to(device))
+            outs.append(torch.empty(p.ds_numel, dtype=shard.dtype, device=device))
         gather_coalesced(gathers, shards, outs)
         for p, out in zip(params, outs):
             p.data = out.view(p.ds_shape)

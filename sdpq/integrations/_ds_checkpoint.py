@@ -18,12 +18,14 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ..comm._exchange import all_gather_rows
 from ._ds_state import AdapterState
 
 __all__ = ["CheckpointMixin", "STATE_FILE"]
 
 STATE_FILE = "sdpq_rank{rank:05d}.pt"
 _FORMAT = 1
+_SHOWN = 3  # ranks whose problem a load warning spells out
 
 
 class CheckpointMixin(AdapterState):
@@ -73,33 +75,70 @@ class CheckpointMixin(AdapterState):
 
     def _after_load(self, ckpt_dir: str) -> None:
         """The partitions were replaced: restore the references saved with them (bitwise resume)
-        or, without a usable saved state, resync every reference exactly. Then re-gather the
-        parameters DeepSpeed keeps gathered so they match the restored references."""
+        or, without a usable saved state on some rank (missing, unreadable, saved for another
+        run), resync every reference exactly on every rank. Then re-gather the parameters
+        DeepSpeed keeps gathered so they match the restored references."""
         path = self._state_path(ckpt_dir)
-        state, problem = None, None
-        if os.path.isfile(path):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            problem = self._incompatible(state)
-        else:
-            problem = f"no {os.path.basename(path)} in {ckpt_dir} (not saved by sdpq)"
-        # Every rank must take the same decision (each reads its own file).
-        ok = torch.tensor([0 if problem else 1], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item() and state is not None:  # (state is None only where ok is 0)
-            self.load_state_dict(state)
-        else:
-            if self.topology.rank == 0:
-                warnings.warn(
-                    f"sdpq: checkpoint {ckpt_dir}: {problem or 'another rank cannot use its sdpq state'}; "
-                    "the weight references are refreshed exactly at the first gather and the "
-                    "error-feedback residuals restart from zero",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+        state, problem = self._read_state(path, ckpt_dir)
+        # Note: every rank must take the same decision, and each reads only its own file: no rank
+        # may raise before this agreement (the others would wait in it until the timeout).
+        problems = self._agree(problem)
+        if not problems and state is not None:  # (state is None only where there is a problem)
+            try:
+                self.load_state_dict(state)
+            except Exception as e:  # a file that passed the checks yet does not load
+                problem = f"{os.path.basename(path)} in {ckpt_dir} does not load: {type(e).__name__}: {e}"
+            problems = self._agree(problem)
+        if problems:
+            warnings.warn(
+                f"sdpq: checkpoint {ckpt_dir}: {'; '.join(problems)}; the weight references are refreshed "
+                "exactly at the first gather and the error-feedback residuals restart from zero",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             for grs in self.grads.values():
                 grs.reset_error_feedback()
             self.mark_weights_changed(exact=True)
         self._regather_available()
+
+    def _read_state(self, path: str, ckpt_dir: str) -> tuple[dict | None, str | None]:
+        """(this rank's saved state, None) or (None, why it cannot be used). Never raises: an
+        unreadable file (truncated, overwritten) is a problem like a missing one."""
+        name = os.path.basename(path)
+        if not os.path.isfile(path):
+            return None, f"no {name} in {ckpt_dir} (not saved by sdpq)"
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            return None, f"cannot read {path}: {type(e).__name__}: {_load_error(e)}"
+        if not isinstance(state, dict):
+            return None, f"{path} holds a {type(state).__name__}, not sdpq's state"
+        try:
+            problem = self._incompatible(state)
+        except Exception as e:  # readable, but not the structure sdpq writes
+            problem = f"{path} is not sdpq's state: {type(e).__name__}: {e}"
+        return (None, problem) if problem else (state, None)
+
+    def _agree(self, problem: str | None) -> list[str]:
+        """Every rank's problem ("rank r: ..."), the same list on every rank; empty when none has
+        one. One all-gather of a flag on the world's communication device; the texts travel
+        only when some rank has a problem."""
+        group = self.topology.world_group
+        mine = torch.tensor([1 if problem else 0], dtype=torch.int64, device=self._device)
+        flags, work = all_gather_rows(mine, group)
+        if work is not None:
+            work.wait()
+        if not bool(flags.any()):
+            return []
+        texts: list = [None] * self.topology.world_size
+        dist.all_gather_object(texts, problem, group=group)
+        me = self.topology.rank
+        # This rank's own problem first, then the others' (a few: every rank warns).
+        bad = sorted((r for r, t in enumerate(texts) if t), key=lambda r: (r != me, r))
+        shown = [f"rank {r}: {texts[r]}" for r in bad[:_SHOWN]]
+        if len(bad) > _SHOWN:
+            shown.append(f"and {len(bad) - _SHOWN} more rank(s)")
+        return shown
 
     def _incompatible(self, state: dict) -> str | None:
         if state.get("format") != _FORMAT:
@@ -122,3 +161,13 @@ class CheckpointMixin(AdapterState):
             if tuple(self.params[self._ds_id[n]].ds_numel for n in idx) != tuple(numels):
                 return "a gradient bucket does not match this model"
         return None
+
+
+def _load_error(e: Exception) -> str:
+    """torch.load's error in one line. The weights-only unpickler wraps the actual error in
+    advice to load with weights_only=False, which is wrong for a damaged file: keep the error."""
+    text = str(e)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = "weights-only unpickler: " + text.split(marker, 1)[1].split("Check the documentation", 1)[0]
+    return " ".join(text.split())

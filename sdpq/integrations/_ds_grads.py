@@ -53,14 +53,14 @@ class GradientsMixin(AdapterState):
         if grs is None:
             N = self.topology.world_size
             numel = N * sum(-(-n // N) for n in key[1])
-            # The gradients' device: residuals and rounding generators restored from a checkpoint
-            # must live where the gradients are (CUDA on a GPU cluster).
-            device = self.params[key[0][0]].ds_tensor.device
+            # The gradients' device (the accelerator, even with offload_param: the partitions are
+            # on the CPU, the gradients are not): residuals and rounding generators restored from
+            # a checkpoint must live where the gradients are reduced.
             grs = GradReduceScatter(
                 numel,
                 self.topology,
                 self.config.gradients,
-                device=device,
+                device=self._device,
                 stats=self.config.stats,
                 record_to=self.stats,
             )
@@ -75,7 +75,9 @@ class GradientsMixin(AdapterState):
         grs = self._grad_rs((key, numels))
         chunks = [-(-n // N) for n in numels]
         total = sum(chunks)
-        dtype, device = tensors[0].dtype, tensors[0].device
+        # Note: the bucket is built on the group's communication device (the gradients are
+        # already there on an accelerator; nothing is copied then).
+        dtype, device = tensors[0].dtype, self._device
         # Interleave: row r holds chunk r of every tensor, zero-padded (DeepSpeed pads with garbage;
         # a quantization group must not see it).
         flat = torch.zeros((N, total), dtype=dtype, device=device)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..comm import CommStats, GradReduceScatter, Topology, WeightGather
+from ..comm.device import comm_device
 from ..config import Config
 
 __all__ = ["AdapterState"]
@@ -25,6 +28,13 @@ class AdapterState:
     _index: dict[int, int]  # ds_id -> position (checkpoints name parameters by position)
     _ds_id: list[int]  # position -> ds_id
     _undo: list  # callables that undo what was installed
+
+    @property
+    def _device(self) -> torch.device:
+        """Where sdpq's weight gathers, gradient buckets and their state live: the world group's
+        communication device (NCCL: this rank's current GPU, which is also DeepSpeed's
+        accelerator), whatever device the ZeRO partitions are on (the CPU with offload_param)."""
+        return comm_device(self.topology.world_group)
 
     def _weight_gather(self, p: Any) -> WeightGather:  # _ds_adapter.py
         raise NotImplementedError

@@ -53,13 +53,15 @@ def run4(dist, spec, overrides=None):
     return dist.run(train_fn, 4, 2, spec, overrides, timeout=TIMEOUT)
 
 
-def build_engine(block, *, threshold=1000, bf16=False, lr=3e-3):
-    """A ZeRO-3 engine of the tiny GPT with `block` (no training loop)."""
+def build_engine(block, *, threshold=1000, bf16=False, lr=3e-3, zero=None):
+    """A ZeRO-3 engine of the tiny GPT with `block` (no training loop); `zero`: more
+    "zero_optimization" keys (e.g. offload_param)."""
     from sdpq.train import deepspeed_backend
     from sdpq.train.model import GPT
 
     torch.manual_seed(0)
     model = GPT(TINY)
     spec = dataclasses.replace(SPEC, sdpq=block, bf16=bf16, lr=lr, grad_accum=1)
-    cfg = deepspeed_backend.ds_config(spec, {"zero_optimization": {"stage3_param_persistence_threshold": threshold}})
+    zero = {"stage3_param_persistence_threshold": threshold, **(zero or {})}
+    cfg = deepspeed_backend.ds_config(spec, {"zero_optimization": zero})
     return sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]

@@ -1,0 +1,143 @@
+"""sdpq.deepspeed on a GPU cluster's devices, checked on CPU: with the group reported as NCCL
+(tests/collective_devices.py), every tensor the adapter hands a collective must be on the
+communication device (the stand-in accelerator), also with ZeRO-3's CPU offload (partitions or
+optimizer on the host), and through a checkpoint load. And a checkpoint whose sdpq file is
+unreadable on one rank is rebuilt on every rank instead of leaving the others waiting.
+4 gloo ranks as 2 simulated nodes x 2."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed")
+
+import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
+from collective_devices import STANDIN, device_of, nccl_devices  # noqa: E402
+from deepspeed_common import TINY, build_engine, fresh_deepspeed  # noqa: E402
+
+import sdpq.integrations.deepspeed as sds  # noqa: E402
+
+# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
+import deepspeed.runtime.zero.stage3  # noqa: E402,F401
+
+BLOCK = {"weights": {"mode": "diff"}, "gradients": {"error_feedback": True}, "optimizer": {"master": "native"}}
+OFFLOAD = {
+    "none": {},
+    "offload_param": {"offload_param": {"device": "cpu"}},
+    "offload_optimizer": {"offload_optimizer": {"device": "cpu"}},
+}
+
+
+def _steps(engine, rank: int, n: int, start: int = 0) -> list[float]:
+    from sdpq.train.data import TokenData
+
+    data, losses = TokenData.stdlib(), []
+    for s in range(start, start + n):
+        x, y = data.batch(s, rank, 2, TINY.seq_len)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _state_devices(adapter) -> set[str]:
+    """Where the restored sdpq state lives: references, residuals (as the test mode sees it)."""
+    out = {str(device_of(wg.reference)) for wg in adapter.weights.values() if wg.reference is not None}
+    out |= {str(device_of(g.residual)) for g in adapter.grads.values() if g.residual is not None}
+    return out
+
+
+def _offload_fn(ctx, ckpt, option):
+    fresh_deepspeed()
+    with nccl_devices() as report:
+        eng = build_engine(BLOCK, zero=OFFLOAD[option])
+        losses = _steps(eng, ctx.rank, 2)
+        eng.save_checkpoint(ckpt, tag="t")
+        eng2 = build_engine(BLOCK, zero=OFFLOAD[option])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # the saved state fits: no rebuild
+            eng2.load_checkpoint(ckpt, tag="t")
+        restored = _state_devices(sds.get_adapter(eng2))
+        persistent = {str(device_of(p)) for p in eng2.module.parameters() if p.ds_persist}
+        partitions = {str(device_of(p.ds_tensor)) for p in eng2.module.parameters()}
+        losses += _steps(eng2, ctx.rank, 1, start=2)
+    return {"losses": losses, "checked": report.checked, "restored": restored, "persistent": persistent,
+            "partitions": partitions}  # fmt: skip
+
+
+@pytest.mark.parametrize("option", list(OFFLOAD))
+def test_collectives_on_the_communication_device(dist, tmp_path, option):
+    """Steps, a save and a load, with and without ZeRO-3 CPU offload: no tensor of sdpq's
+    collectives off the communication device (the mode raises otherwise), the restored references
+    and residuals on it, the gathered parameters on it while the partitions stay where ZeRO-3
+    keeps them (the host here: DeepSpeed's CPU accelerator)."""
+    res = dist.run(_offload_fn, 4, 2, str(tmp_path), option, timeout=120)
+    for r in res:
+        assert r["checked"] > 20  # the set-up agreement, gathers, reduce-scatters, the load's decision
+        assert r["restored"] == {str(STANDIN)}, r["restored"]
+        assert r["persistent"] == {str(STANDIN)} and r["partitions"] == {"cpu"}
+        assert all(torch.isfinite(torch.tensor(r["losses"]))) and r["losses"][2] < r["losses"][0] + 0.5
+
+
+def _damage(path: str, how: str) -> None:
+    if how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    else:  # overwritten with text (e.g. a log written to the wrong name)
+        with open(path, "w") as f:
+            f.write("Traceback (most recent call last):\n  not a checkpoint\n" * 20)
+
+
+def _exact(p) -> torch.Tensor:
+    """The exact full weight, gathered from the ZeRO partitions with a plain all-gather."""
+    full = torch.empty(p.ds_tensor.numel() * tdist.get_world_size(), dtype=p.ds_tensor.dtype)
+    tdist.all_gather_into_tensor(full, p.ds_tensor.data.contiguous())
+    return full[: p.ds_numel].view(p.ds_shape)
+
+
+def _unreadable_fn(ctx, ckpt, how):
+    fresh_deepspeed()
+    eng = build_engine(BLOCK)
+    _steps(eng, ctx.rank, 2)
+    eng.save_checkpoint(ckpt, tag="t")
+    tdist.barrier()
+    path = os.path.join(ckpt, "t", sds.STATE_FILE.format(rank=1))
+    if ctx.rank == 1:
+        _damage(path, how)
+    tdist.barrier()
+    eng2 = build_engine(BLOCK)
+    with nccl_devices() as report, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        eng2.load_checkpoint(ckpt, tag="t")
+    adapter = sds.get_adapter(eng2)
+    rebuilt = all(g.residual is None for g in adapter.grads.values())
+    for ds_id, wg in adapter.weights.items():
+        p = adapter.params[ds_id]
+        if p.ds_persist:  # re-gathered at the end of the load: exactly
+            rebuilt &= torch.equal(p.data, _exact(p))
+        else:  # gathered exactly at their next use
+            rebuilt &= wg.dirty and wg._force_exact
+    losses = _steps(eng2, ctx.rank, 2, start=2)  # training continues
+    return {"warned": [str(w.message) for w in caught if "sdpq" in str(w.message)], "rebuilt": rebuilt,
+            "losses": losses, "checked": report.checked}  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_unreadable_state_file_is_rebuilt_on_every_rank(dist, tmp_path, how):
+    """Rank 1's sdpq_rank00001.pt is truncated / overwritten: no rank raises or waits; every rank
+    warns, naming the file and the error, and rebuilds (exact refresh, residuals from zero)."""
+    res = dist.run(_unreadable_fn, 4, 2, str(tmp_path), how, timeout=60)
+    for r in res:
+        assert len(r["warned"]) == 1, r["warned"]
+        msg = r["warned"][0]
+        if r is res[0]:
+            print(msg)
+        assert "rank 1: cannot read" in msg and "sdpq_rank00001.pt" in msg, msg
+        assert ("Error" in msg) and "restart from zero" in msg, msg
+        assert r["rebuilt"] and r["checked"] >= 1
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
