@@ -64,10 +64,19 @@ def _check_choice(path: str, value: Any, choices: tuple) -> None:
         _fail(path, value, ", ".join(repr(c) for c in choices) + (f" ({why})" if why else ""))
 
 
-def _check_power_of_two(path: str, value: Any, lo: int, hi: int) -> None:
-    _check_int(path, value, lo, hi)
-    if value & (value - 1):
-        _fail(path, value, f"a power of two in [{lo}, {hi}]")
+def _check_power_of_two(path: str, value: Any, lo: int, hi: int, why: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        _check_int(path, value, lo, hi)  # the type error
+    if value < lo or value > hi or value & (value - 1):
+        _fail(path, value, f"a power of two in [{lo}, {hi}]" + (f" ({why})" if why else ""))
+
+
+# The largest quantization group / Hadamard block: a GPU kernel holds a whole group and a whole
+# block in one Triton tile. Compiled for an H100, tiles of 4096 fit in registers; 8192 and more
+# spill to local memory and past 32768 a tile exceeds the shared memory of a block
+# (docs/kernels.md).
+TILE_MAX = 1 << 12
+_TILE_WHY = f"the GPU kernels hold a whole group or Hadamard block in one tile of at most {TILE_MAX}"
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,8 @@ class WeightsConfig(_Section):
         "exact" is the plain all-gather (baseline).
     bits: code width of the quantized payload. diff: 4 or 8; direct: 8 only (4-bit direct
         weights cost SDP4Bit 2.573 vs 2.294 validation loss on GPT-125M).
-    group_size: elements per absmax scale; 2048 gives 4 + 32/2048 = 4.016 bits per element.
+    group_size: elements per absmax scale; 2048 gives 4 + 32/2048 = 4.016 bits per element
+        (a power of two, 32 to 4096: the GPU kernels hold a group in one tile).
     rounding: "nearest" (weights: errors are fed back by the reference) or "stochastic".
     scale_dtype: wire scale format: "fp32" (32 bits per group) or "bf16" (16 bits, rounded up;
         same range as fp32, so no finite group is lost). "fp16" is refused: it loses groups of
@@ -156,7 +166,7 @@ class WeightsConfig(_Section):
         _check_choice(f"{path}.bits", self.bits, (4, 8))
         if self.mode == "direct" and self.bits != 8:
             _fail(f"{path}.bits", self.bits, "8 when mode is 'direct' (4-bit direct weights hurt the loss)")
-        _check_power_of_two(f"{path}.group_size", self.group_size, 32, 1 << 20)
+        _check_power_of_two(f"{path}.group_size", self.group_size, 32, TILE_MAX, _TILE_WHY)
         _check_int(f"{path}.resync_every", self.resync_every, 0)
         _check_int(f"{path}.verify_every", self.verify_every, 0)
 
@@ -169,12 +179,13 @@ class GradientsConfig(_Section):
         (SDP4Bit TLq); "exact" = the plain reduce-scatter (baseline).
     intra_bits / inter_bits: code widths of the two stages (4 or 8 each).
     intra_group_size / inter_group_size: elements per scale of each stage (SDP4Bit: 128;
-        their inter-node flag is silently ignored; ours is honoured).
+        their inter-node flag is silently ignored; ours is honoured); a power of two, 32 to 4096.
     hadamard: randomized blockwise Walsh-Hadamard smoothing before quantization, inverted
         once after the final sum (spreads outliers so 4-bit groups lose less; computed so that
         no finite gradient overflows, up to the fp32 maximum).
-    hadamard_block: transform block (power of two, <= both group sizes is typical; a block larger
-        than a rank's chunk of the bucket is clamped to the chunk rounded up to a power of two).
+    hadamard_block: transform block (power of two, 2 to 4096, <= both group sizes is typical; a
+        block larger than a rank's chunk of the bucket is clamped to the chunk rounded up to a
+        power of two).
     rounding: "stochastic" (unbiased; SDP4Bit default) or "nearest".
     scale_dtype: wire scale format: "fp32" (32 bits per group) or "bf16" (16 bits, rounded up;
         same range as fp32, so no finite group is lost). "fp16" is refused: it loses groups of
@@ -200,9 +211,9 @@ class GradientsConfig(_Section):
     def _validate(self, path: str) -> None:
         _check_choice(f"{path}.intra_bits", self.intra_bits, (4, 8))
         _check_choice(f"{path}.inter_bits", self.inter_bits, (4, 8))
-        _check_power_of_two(f"{path}.intra_group_size", self.intra_group_size, 32, 1 << 16)
-        _check_power_of_two(f"{path}.inter_group_size", self.inter_group_size, 32, 1 << 16)
-        _check_power_of_two(f"{path}.hadamard_block", self.hadamard_block, 2, 1 << 16)
+        for key in ("intra_group_size", "inter_group_size"):
+            _check_power_of_two(f"{path}.{key}", getattr(self, key), 32, TILE_MAX, _TILE_WHY)
+        _check_power_of_two(f"{path}.hadamard_block", self.hadamard_block, 2, TILE_MAX, _TILE_WHY)
         _check_int(f"{path}.pipeline_chunks", self.pipeline_chunks, 1, 64)
         _check_int(f"{path}.seed", self.seed, 0, 2**63 - 1)
 
@@ -221,7 +232,7 @@ class OptimizerConfig(_Section):
     states: "fp8" (COAT dynamic range expansion), "bf16" or "fp32" (reference).
     master: "mcf" = bf16 parameter + bf16 compensation (Collage), "native" = the parameter's dtype.
     mcf_second_moment: keep v as a bf16 pair with an exact beta2 product (Collage "plus").
-    group_size: FP8 expansion group (COAT: 128).
+    group_size: FP8 expansion group (COAT: 128); a power of two, 16 to 4096.
     v_format: FP8 format of the second moment, "e4m3" or "e5m2".
     """
 
@@ -243,7 +254,7 @@ class OptimizerConfig(_Section):
         }
 
     def _validate(self, path: str) -> None:
-        _check_power_of_two(f"{path}.group_size", self.group_size, 16, 1 << 16)
+        _check_power_of_two(f"{path}.group_size", self.group_size, 16, TILE_MAX, _TILE_WHY)
 
 
 @dataclass(frozen=True)

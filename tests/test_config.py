@@ -51,6 +51,12 @@ def test_wrong_type_names_path_and_value(d, path, shown):
     [
         ({"weights": {"bits": 3}}, "sdpq.weights.bits", "allowed: 4, 8"),
         ({"weights": {"group_size": 1000}}, "sdpq.weights.group_size", "power of two"),
+        # The GPU kernels hold a group / Hadamard block in one tile of at most 4096 (TILE_MAX).
+        ({"weights": {"group_size": 8192}}, "sdpq.weights.group_size", "a power of two in [32, 4096] (the GPU"),
+        ({"gradients": {"intra_group_size": 1 << 16}}, "sdpq.gradients.intra_group_size", "[32, 4096] (the GPU"),
+        ({"gradients": {"inter_group_size": 1 << 13}}, "sdpq.gradients.inter_group_size", "[32, 4096] (the GPU"),
+        ({"gradients": {"hadamard_block": 1 << 16}}, "sdpq.gradients.hadamard_block", "[2, 4096] (the GPU"),
+        ({"optimizer": {"group_size": 8192}}, "sdpq.optimizer.group_size", "[16, 4096] (the GPU"),
         ({"gradients": {"pipeline_chunks": 0}}, "sdpq.gradients.pipeline_chunks", "[1, 64]"),
         ({"optimizer": {"states": "fp4"}}, "sdpq.optimizer.states", "'fp8', 'bf16', 'fp32'"),
         ({"weights": {"mode": "direct"}}, "sdpq.weights.bits", "8 when mode is 'direct'"),
@@ -150,3 +156,15 @@ def test_scale_formats_are_the_codec_formats():
     from sdpq.quant.groupwise import SCALE_DTYPES
 
     assert set(get_args(ScaleFormat)) == set(SCALE_DTYPES)
+
+
+def test_the_largest_tiles_are_allowed():
+    """TILE_MAX itself is accepted for every group size and the Hadamard block."""
+    from sdpq.config import TILE_MAX
+
+    c = Config.from_dict({
+        "weights": {"group_size": TILE_MAX},
+        "gradients": {"intra_group_size": TILE_MAX, "inter_group_size": TILE_MAX, "hadamard_block": TILE_MAX},
+        "optimizer": {"group_size": TILE_MAX},
+    })
+    assert c.weights.group_size == c.gradients.hadamard_block == c.optimizer.group_size == TILE_MAX == 4096

@@ -24,7 +24,7 @@ def chunk_layout(numel: int, world_size: int, ranks_per_node: int, c: GradientsC
     cn = -(-numel // N)
     groups = max(c.intra_group_size if L > 1 else 1, c.inter_group_size if N // L > 1 else 1)
     # Note: a Hadamard block larger than the chunk would pad every chunk up to the block (a
-    # 65536 block on 1024-element chunks sends ~64x the bytes); it is clamped to the chunk
+    # 4096 block on 256-element chunks sends ~16x the bytes); it is clamped to the chunk
     # rounded up to a power of two (never below the groups). Every rank derives the same block.
     block = min(c.hadamard_block, max(groups, 1 << max(0, cn - 1).bit_length())) if c.hadamard else 1
     align = max(groups, block)

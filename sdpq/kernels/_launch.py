@@ -18,7 +18,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-__all__ = ["GRID_LIMITS", "check_grid", "launch", "program_index"]
+__all__ = ["GRID_LIMITS", "check_grid", "launch", "num_warps", "program_index"]
 
 # CUDA's gridDim limits (x, y, z) on every architecture Triton targets.
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
@@ -34,10 +34,23 @@ def check_grid(grid: tuple[int, ...], kernel: str) -> tuple[int, ...]:
     return grid
 
 
+def num_warps(tile: int) -> int:
+    """Warps per program for a tile of `tile` elements: 4 up to 2048 (16 values a thread), then
+    one warp per 512 elements up to 16. Compiled for an H100 (sm_90), every kernel then holds a
+    tile of 4096 (the largest group or Hadamard block sdpq.config allows) without spilling
+    registers; with 4 warps the AdamW step and the Hadamard reduction spill there."""
+    return max(4, min(16, tile // 512))
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """kernel[grid](*args, **kwargs) after check_grid."""
+    """kernel[grid](*args, **kwargs) after check_grid, compiled without fused multiply-adds.
+
+    Note: Triton contracts a * b + c into one FMA by default (enable_fp_fusion); compiled for an
+    H100 the codec's encodes then hold FMAs and the AdamW step ~200. The C++ kernels are built
+    with -ffp-contract=off for the same reason: the PyTorch reference rounds the product first,
+    and the codec is bitwise the reference."""
     name = str(getattr(kernel, "__name__", kernel))  # a JITFunction carries its function's name
-    kernel[check_grid(tuple(grid), name)](*args, **kwargs)
+    kernel[check_grid(tuple(grid), name)](*args, enable_fp_fusion=False, **kwargs)
 
 
 @triton.jit

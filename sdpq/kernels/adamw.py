@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, program_index
+from ._launch import launch, num_warps, program_index
 from ._tile import round_half_even, to_bf16_rne
 
 __all__ = ["adamw_fp8_mcf_step"]
@@ -201,4 +201,5 @@ def adamw_fp8_mcf_step(
         GPB=gpb,
         FMAX=_E4M3_MAX,
         LOG2_FMAX=_LOG2_FMAX,
+        num_warps=num_warps(gpb * G),
     )

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..config import TILE_MAX
 from . import native
 
 __all__ = ["cpu_available"]
@@ -95,9 +96,11 @@ def _adamw_step_many_fake(*args):
 
 def _adamw_step_cuda(*args):
     a = StepArgs(*args)
-    if not (a.m_format == a.v_format == "e4m3" and a.param_lo is not None and a.group_size & (a.group_size - 1) == 0):
+    pow2 = a.group_size & (a.group_size - 1) == 0 and 0 < a.group_size <= TILE_MAX
+    if not (a.m_format == a.v_format == "e4m3" and a.param_lo is not None and pow2):
         raise NotImplementedError(
             f"sdpq::adamw_step on CUDA covers E4M3 m and v with an MCF master and a power-of-two group size "
+            f"up to {TILE_MAX} (a group is one tile of the kernel) "
             f"(got m_format={a.m_format!r}, v_format={a.v_format!r}, MCF master: {a.param_lo is not None}, "
             f"group_size={a.group_size}); use sdpq.optim.AdamW, whose PyTorch path covers every layout"
         )

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, program_index
+from ._launch import launch, num_warps, program_index
 from ._tile import (
     dequantize_tile,
     fwht,
@@ -306,6 +306,7 @@ def encode_rows(
         HB=hb,
         LOG2HB=int(math.log2(hb)),
         WRITE_OWN=own is not None,
+        num_warps=num_warps(tile),
         **_spec_args(spec),
     )
     return out, own, flag
@@ -328,6 +329,7 @@ def decode_rows(buf: torch.Tensor, spec, numel: int, out: torch.Tensor, *, add: 
         spec.code_bytes(numel),
         TILE=tile,
         ADD=add,
+        num_warps=num_warps(tile),
         **_spec_args(spec),
     )
     return out
@@ -406,6 +408,7 @@ def reduce_rows(
         LOG2HB=int(math.log2(hb)) if encode_spec is None else 0,
         ENCODE=encode_spec is not None,
         STOCHASTIC=stochastic,
+        num_warps=num_warps(tile),
         **_spec_args(spec),
         **e_args,
     )

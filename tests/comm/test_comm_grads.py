@@ -198,9 +198,10 @@ def test_values_up_to_the_fp32_max_reduce_to_the_finite_sum(dist, nodes, rpn):
 
 
 def test_hadamard_block_larger_than_the_chunk_is_clamped(dist):
-    """hadamard_block 65536 on 1024-element chunks: the block shrinks to the chunk (no 64x padding
-    on the wire), the sum stays within the quantizer's bound, and every rank uses the same block."""
-    res = dist.run(_rs_case, 4, 2, 4096, {"hadamard_block": 65536}, "normal", 3)
+    """hadamard_block 4096 (the largest allowed) on 256-element chunks: the block shrinks to the
+    chunk (no 16x padding on the wire), the sum stays within the quantizer's bound, and every rank
+    uses the same block."""
+    res = dist.run(_rs_case, 4, 2, 1024, {"hadamard_block": 4096}, "normal", 3)
     for r in res:
         assert r["ratio"] <= 1.0
         assert r["stats"]["gradients"]["inter"]["bits_per_element"] <= 4.3
