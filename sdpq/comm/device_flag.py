@@ -27,10 +27,14 @@ class DeviceFlag:
 
     __slots__ = ("_value", "_host", "_event")
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
         self._value: torch.Tensor | None = None  # bool, on the device
         self._host: torch.Tensor | None = None  # CUDA: pinned copy of _value
         self._event: torch.cuda.Event | None = None
+        if device is not None and torch.device(device).type == "cuda":
+            # Note: pinned at construction (outside the hot path): a first pinned allocation may
+            # wait for the device, a copy into an allocated one does not.
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
 
     @property
     def pending(self) -> bool:

@@ -117,8 +117,8 @@ class WeightGather:
         self.calls = 0  # gathers done
         self._force_exact = False
         # Set on the device by a refresh, read by mark_weights_changed (see the module docstring).
-        self._nonfinite = DeviceFlag()
-        self._mismatched = DeviceFlag()
+        self._nonfinite = DeviceFlag(self.device)
+        self._mismatched = DeviceFlag(self.device)
         self._verified_sums: torch.Tensor | None = None  # the checksums behind _mismatched
         self._rec = Recorder(stats, record_to)
         self._gen: torch.Generator | None = None

@@ -4,10 +4,11 @@ with the hot-path guard enabled (`sdpq.comm.hotpath`), so any `.item()`, `bool()
 collectives they run) raises. On a GPU each of those would stall the CPU until the device caught
 up, inside the communication FSDP2 overlaps with compute.
 
-Covered: 1-D FSDP2 and HSDP (sdpq's replicate all-reduce); the default config (statistics on)
-and one that samples the quantization error on every call, verifies the weight references every
-second version and keeps error feedback; a parameter that gets no gradient on some steps (its
-module's reduce-scatter is then smaller than the one built in `apply`).
+Covered: 1-D FSDP2 and HSDP (sdpq's replicate all-reduce); the default config (statistics on),
+one that samples the quantization error on every call, verifies the weight references every
+second version and keeps error feedback, and the other modes (direct weights, exact gradients);
+a parameter that gets no gradient on some steps (its module's reduce-scatter is then smaller than
+the one built in `apply`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 WORLD, RPN = 4, 2
+EXACT_DIRECT = {"weights": {"mode": "direct", "bits": 8}, "gradients": {"mode": "exact"}}
 SAMPLED = {"stats": {"error_sample_every": 1}, "weights": {"verify_every": 2}, "gradients": {"error_feedback": True}}
 
 
@@ -108,6 +110,7 @@ CASES = {
     "fsdp_sampled": (SAMPLED, False),
     "hsdp_default": (None, True),
     "hsdp_sampled": (SAMPLED, True),
+    "fsdp_direct_weights_exact_gradients": (EXACT_DIRECT, False),
 }
 
 
