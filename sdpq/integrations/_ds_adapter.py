@@ -27,6 +27,10 @@ What is patched, and why there (DeepSpeed 0.19.8):
   runs, and DeepSpeed's function otherwise. DeepSpeed's averaging is kept bit for bit: the
   same pre-division by the group size in the gradient dtype (exact mode), or the SUM in fp32
   divided once afterwards (quantized mode); its pre/post-scaling factors stay its own.
+- devices: every buffer sdpq hands a collective, the gathered parameters and the restored
+  references and residuals live on the world group's communication device (`comm_device`:
+  NCCL's current GPU, which is DeepSpeed's accelerator). With `offload_param` the partitions
+  are on the CPU: like DeepSpeed's own gather, each is copied to the accelerator first.
 - optimizer memory, opt-in (`workarounds.deepspeed_alias_bf16_master`): with sdpq AdamW on bf16
   master partitions (MCF), the master partition list is pointed at the compute partitions
   (`_alias_bf16_master`), the aliasing ZeRO-3 intends but misses (it compares a torch.device

@@ -4,7 +4,9 @@
 after them (hooks in _ds_adapter.py). On another layout with the same world size (2 x 2 saved,
 4 x 1 or 1 x 4 loaded) DeepSpeed loads its partitions and the sdpq state is rebuilt (exact
 reference refresh, residuals from zero) with a warning; another world size is refused by
-DeepSpeed's own loader (ZeRO-3 partitions do not reshard). It holds every WeightGather's and GradReduceScatter's own
+DeepSpeed's own loader (ZeRO-3 partitions do not reshard). A file missing or unreadable (truncated,
+overwritten) on any rank rebuilds the state on every rank alike, each warning with the file and the
+error: no rank raises alone while the others wait. It holds every WeightGather's and GradReduceScatter's own
 state_dict (references, pending refreshes, rounding streams, error feedback), so a resumed run
 continues bit for bit. Parameters and buckets are named by position, not ds_id: ds_id numbering
 continues across engines in one process.
