@@ -2,8 +2,8 @@
 every step, and the collectives they run).
 
 On a GPU, reading a device tensor's value on the host (`Tensor.item()`, `bool(t)`, `float(t)`,
-`int(t)`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")` of a device tensor) waits for every kernel queued
-before it: inside a communication hook that stalls the CPU thread that should be queueing the
+`int(t)`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")` of a device tensor) waits for every
+kernel queued before it: inside a communication hook that stalls the CPU thread that should be queueing the
 next layer's work, and the overlap of communication and compute that FSDP2 and ZeRO-3 build
 with their streams is lost. On CPU the same calls cost nothing, so CPU tests cannot see them by
 timing; this guard makes them visible.
@@ -18,13 +18,14 @@ that thread then raises `HostSyncError` naming the operation and the hot path. C
 any `hot_path` (the training loop, `sdpq.stats.summary()`, checkpoints) are never affected.
 
 How: while enabled, the listed `torch.Tensor` methods are replaced by wrappers that check a
-per-thread depth counter. Why not a `TorchFunctionMode`: a mode is popped while its handler runs
+per-thread stack of the hot paths entered. Why not a `TorchFunctionMode`: a mode is popped while its handler runs
 a function, so a sync inside a Python-level torch function (`torch.nn.functional.*`, a
 `torch.distributed` wrapper) called from the hot path would go unseen, and entering a mode on
 every hook call costs a stack push even where nothing is checked. Patching the methods of
 `torch.Tensor` (a Python class over `torch._C.TensorBase`; `bool()`, `float()` and `int()` find
-`__bool__` / `__float__` / `__int__` there) sees every call from Python, at any depth, and works
-alike on torch 2.11 - 2.15: it relies only on those methods' names and signatures. Hooks run on the
+`__bool__` / `__float__` / `__int__` there) sees every call from Python, at any depth. It relies
+only on those methods' names and on `Tensor.to`'s public argument forms, unchanged across torch
+2.x (tested on 2.13; 2.11 - 2.15 are the releases sdpq's users run). Hooks run on the
 autograd engine's device thread on CUDA; the depth is per thread, and each hook enters the guard
 on the thread it runs on.
 
@@ -35,8 +36,8 @@ read, so the code says so where it makes one.
 Where: here, below every layer, because the math layer (`sdpq.quant.fused`) makes such a read;
 the hooks and collectives import it as `sdpq.comm.hotpath`.
 
-What it does not see: syncs inside C++ operators (`torch.nonzero`, boolean-mask indexing,
-`Tensor.__repr__` goes through `.item()` and is seen).
+What it does not see: syncs inside C++ operators (`torch.nonzero`, boolean-mask indexing).
+Printing a tensor reads its values from Python and is seen.
 """
 
 from __future__ import annotations
