@@ -34,12 +34,12 @@ def check_grid(grid: tuple[int, ...], kernel: str) -> tuple[int, ...]:
     return grid
 
 
-def num_warps(tile: int) -> int:
-    """Warps per program for a tile of `tile` elements: 4 up to 2048 (16 values a thread), then
-    one warp per 512 elements up to 16. Compiled for an H100 (sm_90), every kernel then holds a
-    tile of 4096 (the largest group or Hadamard block sdpq.config allows) without spilling
-    registers; with 4 warps the AdamW step and the Hadamard reduction spill there."""
-    return max(4, min(16, tile // 512))
+def num_warps(tile: int, per_warp: int = 512) -> int:
+    """Warps per program for a tile of `tile` elements: one per `per_warp` elements, 4 to 16.
+    Compiled for an H100 (sm_90), every kernel then holds its largest tile (a group or Hadamard
+    block of 4096, the most sdpq.config allows) without spilling registers: the codec with 512
+    elements a warp, the AdamW step (two moments decoded and encoded per group) with 256."""
+    return max(4, min(16, tile // per_warp))
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:

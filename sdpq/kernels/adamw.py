@@ -201,5 +201,5 @@ def adamw_fp8_mcf_step(
         GPB=gpb,
         FMAX=_E4M3_MAX,
         LOG2_FMAX=_LOG2_FMAX,
-        num_warps=num_warps(gpb * G),
+        num_warps=num_warps(gpb * G, per_warp=256),
     )
