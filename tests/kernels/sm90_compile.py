@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("sm90_compile.py compiles kernels: run it with TRITON_INTERPRET unset")
@@ -38,9 +39,9 @@ adamw.launch = _record
 
 def _resources(cubin: bytes) -> dict:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    path = "/tmp/sdpq_sm90_%d.cubin" % os.getpid()
-    with open(path, "wb") as f:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
+        path = f.name
     try:
         out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     finally:
