@@ -59,7 +59,8 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _train(ctx, config, hsdp: bool, steps: int, inject: str | None = None):
+def _train(ctx, config, hsdp: bool, steps: int, inject: str | None = None, plain: bool = False):
+    """Train the small net under sdpq (`config`; plain=True: FSDP2 alone) with the guard on."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -78,7 +79,8 @@ def _train(ctx, config, hsdp: bool, steps: int, inject: str | None = None):
         fully_shard(b, **kw)
     fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sdpq.fsdp.apply(model, config, optimizer=opt, replicate=replicate)  # builds every collective
+    if not plain:
+        sdpq.fsdp.apply(model, config, optimizer=opt, replicate=replicate)  # builds every collective
     orig_gather = WeightGather.gather
     if inject == "gather":  # a sync inside the all-gather hook's collective must be caught
 
@@ -101,8 +103,10 @@ def _train(ctx, config, hsdp: bool, steps: int, inject: str | None = None):
                 losses.append(loss.detach())
     finally:
         WeightGather.gather = orig_gather  # type: ignore[method-assign]
-    _, stats = sdpq.stats.summary(model)  # read outside the hot path: the one place errors sync
-    return [float(x) for x in losses], stats
+    # Read outside the hot path: summary() is where the sampled errors are read.
+    stats = None if plain else sdpq.stats.summary(model)[1]
+    shards = [p.to_local().clone() for p in model.parameters()]
+    return [float(x) for x in losses], stats, shards
 
 
 CASES = {
@@ -119,7 +123,7 @@ def test_training_steps_run_under_the_hot_path_guard(dist, case):
     config, hsdp = CASES[case]
     steps = 5
     res = dist.run(_train, WORLD, RPN, config, hsdp, steps, timeout=120)
-    for losses, stats in res:
+    for losses, stats, _ in res:
         assert len(losses) == steps and all(math.isfinite(x) for x in losses)
         assert losses[-1] < losses[0]
         grads = stats["gradients"]
@@ -132,6 +136,17 @@ def test_training_steps_run_under_the_hot_path_guard(dist, case):
             if not hsdp:
                 w = stats["weights"]["inter"]
                 assert w["error_samples"] > 0 and 0 <= w["relative_error_max"] < 0.5
+
+
+def test_a_step_without_some_gradients_is_exact(dist):
+    """The smaller reduce-scatter of a step where a parameter got no gradient, zero-padded into
+    the collective apply built: with sdpq's exact modes, bitwise plain FSDP2's, every shard."""
+    exact = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}}
+    plain = dist.run(_train, WORLD, RPN, None, False, 3, None, True, timeout=120)
+    ours = dist.run(_train, WORLD, RPN, exact, False, 3, timeout=120)
+    for (lp, _, sp), (lo, _, so) in zip(plain, ours):
+        assert lp == lo
+        assert all(torch.equal(a, b) for a, b in zip(sp, so))
 
 
 def test_the_guard_covers_the_hooks(dist):
