@@ -1,9 +1,12 @@
 """DeepSpeed ZeRO-3 training backend: `train(spec) -> RunResult` on an initialised process group.
 
-Builds the GPT (same init on every rank), a DeepSpeed config from the spec (ZeRO-3, AdamW from
-the "optimizer" block, gradient clipping and accumulation, bf16 if asked, and `spec.sdpq` as
-the "sdpq" block) and trains it with `sdpq.deepspeed.initialize` (plain DeepSpeed when
-`spec.sdpq` is None). Checkpoints are DeepSpeed's own `engine.save_checkpoint` /
+Builds the GPT (same init on every rank) and trains it with `sdpq.deepspeed.initialize` on
+`spec.deepspeed` (a --config file as written, with the flags' overrides: sdpq.train.settings) or,
+without one, a DeepSpeed config built from the spec (ZeRO-3, AdamW, gradient clipping and
+accumulation, bf16 if asked, `spec.sdpq` as the "sdpq" block). Without a block it is plain
+DeepSpeed, or with spec.count_bytes "exact" sdpq's exact collectives (bitwise DeepSpeed's own)
+so that the run counts its cross-node bytes. Batches and the loss accumulators live on the
+compute device (sdpq.launch.env.compute_device). Checkpoints are DeepSpeed's own `engine.save_checkpoint` /
 `load_checkpoint` (which carry sdpq's per-rank state). Batches are a pure function of
 (seed, micro-step, rank), so a resumed run sees exactly the tokens of the uninterrupted one.
 """
@@ -132,10 +135,11 @@ def run_config(spec: RunSpec, recorded: dict) -> tuple[dict, str | None]:
     return cfg, counter
 
 
-def optimizer_bytes_per_param(engine) -> float:
+def optimizer_bytes_per_param(engine, device: torch.device | None = None) -> float:
     """Bytes per parameter of what ZeRO-3 keeps per partition element, summed over ranks:
     compute weights (ds_tensor partitions), master partition, optimizer states and metadata
-    (gradients excluded; tensors sharing memory counted once)."""
+    (gradients excluded; tensors sharing memory counted once). Collective; its all-reduce runs
+    on `device` (default: the compute device)."""
     from ..optim.memory import memory_report
 
     zopt = engine.optimizer
@@ -146,7 +150,7 @@ def optimizer_bytes_per_param(engine) -> float:
 
     rep = memory_report(_View(), extra_weights=[t for t in zopt.fp16_partitioned_groups_flat if t is not None])
     nbytes = sum(rep[k] for k in ("weights", "master", "states", "metadata"))
-    t = torch.tensor([float(nbytes), float(rep["numel"])], dtype=torch.float64, device=compute_device())
+    t = torch.tensor([float(nbytes), float(rep["numel"])], dtype=torch.float64, device=device or compute_device())
     dist.all_reduce(t)
     return float(t[0] / t[1])
 
@@ -298,7 +302,7 @@ def _train(
         step_seconds=median_step_seconds(times),
         comm=comm,
         cross_node_bytes_per_step=inter / max(1, spec.steps - start) if counter else "not counted",
-        optimizer_bytes_per_param=optimizer_bytes_per_param(engine),
+        optimizer_bytes_per_param=optimizer_bytes_per_param(engine, device),
         extra=extra,
     )
     engine.destroy()

@@ -8,7 +8,9 @@ torch.distributed.checkpoint (model, optimizer, sdpq state) and reports losses, 
 statistics and optimizer memory.
 
 Batches are a pure function of (seed, micro-step, rank), so a resumed run sees exactly the
-tokens of the uninterrupted one.
+tokens of the uninterrupted one. They, the loss accumulators and every tensor the loop
+all-reduces live on the compute device (the mesh's, else sdpq.launch.env.compute_device); the host
+reads a loss only where one is printed, and the whole curve once at the end.
 """
 
 from __future__ import annotations
