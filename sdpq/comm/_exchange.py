@@ -33,13 +33,18 @@ def group_device(group) -> torch.device:
     return torch.device("cpu") if group is None else comm_device(group)
 
 
-def all_gather_rows(row: torch.Tensor, group, async_op: bool = False):
-    """Every member's 1-D `row` stacked in group-rank order: ([k, len], work or None)."""
+def all_gather_rows(row: torch.Tensor, group, async_op: bool = False, out: torch.Tensor | None = None):
+    """Every member's 1-D `row` stacked in group-rank order: ([k, len], work or None).
+
+    out: a contiguous buffer of k * len elements of row's dtype to gather into (the caller's
+    output bucket: no full-size buffer is allocated, and none copied afterwards)."""
     k = group_size(group)
+    if out is not None and (out.numel() != k * row.numel() or out.dtype != row.dtype or not out.is_contiguous()):
+        raise ValueError(f"all_gather_rows: out must be a contiguous {row.dtype} buffer of {k * row.numel()} elements")
     if k == 1:
-        return row.unsqueeze(0), None
+        return (row.unsqueeze(0), None) if out is None else (out.view(1, -1).copy_(row.view(1, -1)), None)
     # gloo wants a flat output (k * len), not [k, len]
-    out = torch.empty(k * row.numel(), dtype=row.dtype, device=row.device)
+    out = torch.empty(k * row.numel(), dtype=row.dtype, device=row.device) if out is None else out.view(-1)
     work = _all_gather_single(out, row.contiguous().view(-1), group=group, async_op=async_op)
     return out.view(k, -1), work
 
