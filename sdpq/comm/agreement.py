@@ -5,6 +5,9 @@ by itself: it sends bytes its peers decode differently (silently wrong sums) or 
 (gloo aborts the process). `check_agreement` runs once when a collective or an integration
 is set up (one small all-gather of the settings, none per step) and raises the same
 `ConfigError` on every rank, naming each differing setting and which ranks hold which value.
+
+Note: the check reads the gathered digests on the host (a device sync on GPU), so collectives are
+built before training (`sdpq.fsdp.apply`), never inside a communication hook.
 """
 
 from __future__ import annotations
