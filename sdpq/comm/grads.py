@@ -295,6 +295,12 @@ class GradReduceScatter:
         Xj = self._slice_rows(call.x, j)
         if L == 1:  # no intra stage: the "node partial" is the rank's own (transformed) rows
             with timing.span("grads.encode"):
+                if nodes > 1 and call.fused_inter:  # straight to the inter stage's wire rows
+                    # Note (memory): the encode transforms inside the kernel; no transformed copy.
+                    wire, own, bad = encode_rows(
+                        Xj, self.inter_spec, hadamard=had, own_row=topo.node, generator=call.gen
+                    )
+                    return _Pending(_NodePartial(None, wire, own[0], bad), None, None, None)
                 return _Pending(_hadamard(Xj, *had) if had else Xj.float(), None, None, None)
         # Wire row l' = chunks {n' * L + l'} of this slice (segments of one row, in node order).
         with timing.span("grads.encode"):
@@ -319,8 +325,8 @@ class GradReduceScatter:
         its inter-node wire rows directly."""
         topo, S = self.topology, self.slice_numel
         nodes, l = topo.nodes, topo.local_rank
-        if p.recv is None:
-            return _NodePartial(p.own, None, None, None)
+        if p.recv is None:  # no intra stage (see _issue_intra)
+            return p.own if isinstance(p.own, _NodePartial) else _NodePartial(p.own, None, None, None)
         with timing.span("comm.grads"):
             p.work.wait()
         with timing.span("grads.reduce"):  # decode + sum (+ re-encode for the inter stage)

@@ -258,7 +258,7 @@ def _peak_case(ctx, numel, dtype, cfg_kwargs):
     return _peak_bytes(lambda: rs(x)) / (4 * numel)
 
 
-@pytest.mark.parametrize("nodes,rpn", [(2, 2), (1, 4)], ids=["2x2", "1x4"])
+@pytest.mark.parametrize("nodes,rpn", [(2, 2), (1, 4), (4, 1)], ids=["2x2", "1x4", "4x1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pad", [0, 1000], ids=["whole", "padded"])
 def test_peak_memory_of_a_call(dist, nodes, rpn, dtype, pad):
