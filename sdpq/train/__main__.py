@@ -34,11 +34,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=200)
     # Settings a --config file may hold default to None: given = overrides the file (settings.py).
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (default: the file's, else 4)")
-    p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step (default: the file's, else 1)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the file's optimizer.params.lr, else 1e-3)")
-    p.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (default: the file's, else 0.1)")
-    p.add_argument("--grad-clip", type=float, default=None, help="gradient clipping norm, 0 = none (default: the file's gradient_clipping, else 1.0)")
+    p.add_argument(
+        "--micro-batch", type=int, default=None, help="sequences per rank per micro-step (default: the file's, else 4)"
+    )
+    p.add_argument(
+        "--grad-accum", type=int, default=None, help="micro-steps per optimizer step (default: the file's, else 1)"
+    )
+    p.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default: the file's optimizer.params.lr, else 1e-3)"
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=None, help="AdamW weight decay (default: the file's, else 0.1)"
+    )
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=None,
+        help="gradient clipping norm, 0 = none (default: the file's gradient_clipping, else 1.0)",
+    )
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
