@@ -372,16 +372,17 @@ class GradReduceScatter:
                 P = P + self.residual[:, j * S : (j + 1) * S]
             wire, own, bad = encode_rows(P, self.inter_spec, own_row=node, generator=call.gen)
             if self.residual is not None or call.sample:
+                # Note (memory): one partial-sized buffer, reused in place (P may be a view of the input).
                 deq = decode_rows(wire, self.inter_spec, S, torch.empty(nodes, S, device=P.device))
-                deq = torch.where(bad, _NAN, deq)
+                deq.masked_fill_(bad, _NAN)
                 if call.sample:
                     others = [m for m in range(nodes) if m != node]
                     self._rec.record_error("gradients", "inter", relative_error(deq[others], P[others]))
                 if self.residual is not None:
-                    res = P - deq
+                    res = torch.sub(P, deq, out=deq)
                     res[node] = 0  # own row is summed exactly
                     # Note: an overflowing step is skipped by the caller; do not carry NaN forward.
-                    self.residual[:, j * S : (j + 1) * S] = torch.where(bad, 0.0, res)
+                    self.residual[:, j * S : (j + 1) * S] = res.masked_fill_(bad, 0.0)
         return wire, own[0], bad
 
     def _finish_inter(self, call: _Call, j: int, p: _Pending) -> None:
