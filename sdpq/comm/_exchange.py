@@ -18,8 +18,24 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _through_host(t: torch.Tensor, group) -> bool:
+    """True where gloo must carry an accelerator's tensor: gloo's all-gather, reduce-scatter and
+    all-to-all take CPU tensors only, so sdpq stages its buffers through the host there.
+
+    Note: only a gloo group with CUDA tensors takes this path (several ranks sharing one GPU,
+    which NCCL refuses: the GPU check's training steps). It copies every buffer twice and waits
+    for the collective; NCCL groups never stage, and a CPU tensor on an NCCL group stays an
+    error, as it must (sdpq makes collective buffers on comm_device(group))."""
+    return t.device.type != "cpu" and comm_device(group).type == "cpu"
+
+
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """SUM reduce-scatter of a flat buffer (the plain, unquantized collective)."""
+    if _through_host(inp, group):
+        host = torch.empty(out.shape, dtype=out.dtype)
+        _reduce_scatter_single(host, inp.cpu(), group=group)
+        out.copy_(host)
+        return
     _reduce_scatter_single(out, inp, group=group)
 
 
@@ -43,6 +59,11 @@ def all_gather_rows(row: torch.Tensor, group, async_op: bool = False, out: torch
         raise ValueError(f"all_gather_rows: out must be a contiguous {row.dtype} buffer of {k * row.numel()} elements")
     if k == 1:
         return (row.unsqueeze(0), None) if out is None else (out.view(1, -1).copy_(row.view(1, -1)), None)
+    if _through_host(row, group):
+        host = torch.empty(k * row.numel(), dtype=row.dtype)
+        _all_gather_single(host, row.contiguous().view(-1).cpu(), group=group)
+        full = host.to(row.device) if out is None else out.view(-1).copy_(host)
+        return full.view(k, -1), None
     # gloo wants a flat output (k * len), not [k, len]
     out = torch.empty(k * row.numel(), dtype=row.dtype, device=row.device) if out is None else out.view(-1)
     work = _all_gather_single(out, row.contiguous().view(-1), group=group, async_op=async_op)
@@ -56,6 +77,10 @@ def all_to_all_rows(rows: torch.Tensor, group, async_op: bool = False):
         return rows, None
     if rows.shape[0] != k:
         raise ValueError(f"all_to_all_rows: {rows.shape[0]} rows for a group of {k}")
+    if _through_host(rows, group):
+        host = torch.empty(rows.shape, dtype=rows.dtype)
+        dist.all_to_all_single(host, rows.contiguous().cpu(), group=group)
+        return host.to(rows.device), None
     out = torch.empty_like(rows)
     work = dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=async_op)
     return out, work
