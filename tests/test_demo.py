@@ -53,6 +53,7 @@ def test_demo_writes_records_and_plot(tmp_path, capsys):
     assert ours["optimizer_bytes_per_param"] < 6.5 < base["optimizer_bytes_per_param"]
     # the baseline gathers bf16 weights (FSDP2 MixedPrecisionPolicy) and reduces fp32 gradients
     spec = json.loads((tmp_path / "fsdp2.json").read_text())
+    assert spec["extra"]["layout"] == "2x1" and spec["extra"]["cross_node_counter"] == "sdpq.stats"  # 2 nodes x 1
     assert spec["extra"]["mp_policy"]["param_dtype"] == "torch.bfloat16"
     assert spec["extra"]["mp_policy"]["reduce_dtype"] == "torch.float32"
     comm = spec["comm"]["total"]
