@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"[sdpq.train] launcher={job.launcher} world={job.world_size} local={job.local_world_size} "
             f"backend={spec.backend} sdpq={'on' if spec.sdpq is not None else 'off'} "
-            f"layout={layout(job.world_size, int(spec.ranks_per_node))}",
+            f"layout={layout(job.world_size, int(spec.ranks_per_node))} "
+            f"(ranks per node: {resolved.ranks_per_node_from})",
             flush=True,
         )
     result = train(spec)

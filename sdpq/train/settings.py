@@ -96,6 +96,7 @@ class Resolved:
     spec: RunSpec
     overrides: tuple[Override, ...]
     config_path: str | None
+    ranks_per_node_from: str = "default (one node)"  # the flag, the file, a launcher variable
 
     def lines(self) -> list[str]:
         return [o.line(self.config_path or "(no --config)") for o in self.overrides]
@@ -143,6 +144,8 @@ def resolve_ranks_per_node(
 ):
     """(ranks per node, where it came from) in the shared order; an integer flag that
     contradicts an integer in the file is an error naming both."""
+    if flag not in (None, "auto") and not (str(flag).isdigit() and int(flag) >= 1):
+        raise ConfigError(f"--ranks-per-node: {flag!r}; allowed: a positive integer or 'auto'")
     flag = None if flag in (None, "auto") else int(flag)
     from_file = None if file_value in (_MISSING, None, "auto") else file_value
     if flag is not None and from_file is not None and flag != from_file:
@@ -207,7 +210,7 @@ def resolve(args: Any, env: Mapping[str, str] | None = None) -> Resolved:
     values.update(_precision(args, effective, block, overrides))
 
     rpn_flag = getattr(args, "ranks_per_node", None)
-    rpn, _source = resolve_ranks_per_node(rpn_flag, _get(block, "topology.ranks_per_node"), env, world, args.config)
+    rpn, source = resolve_ranks_per_node(rpn_flag, _get(block, "topology.ranks_per_node"), env, world, args.config)
     if block is not None and rpn_flag not in (None, "auto") and _get(block, "topology.ranks_per_node") != rpn:
         old = _get(block, "topology.ranks_per_node")
         overrides.append(Override(_flag("ranks-per-node", rpn), "sdpq.topology.ranks_per_node", old, rpn))
@@ -222,6 +225,8 @@ def resolve(args: Any, env: Mapping[str, str] | None = None) -> Resolved:
         values = {k: v for k, v in values.items() if v is not _MISSING and v is not None}
         values.setdefault("grad_clip", 0.0)
         values.setdefault("grad_accum", 1)
+        for k in ("lr", "weight_decay"):  # what DeepSpeed's torch_adam builds without them
+            values.setdefault(k, _ADAMW_DEFAULTS[k])
     spec = RunSpec(
         backend=args.backend,
         model=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model),
@@ -241,7 +246,7 @@ def resolve(args: Any, env: Mapping[str, str] | None = None) -> Resolved:
         deepspeed=effective if args.backend == "deepspeed" else None,
         **values,
     )
-    return Resolved(spec, tuple(overrides), args.config)
+    return Resolved(spec, tuple(overrides), args.config, source)
 
 
 def _optimizer_from_file(ds: dict | None) -> dict[str, Any]:

@@ -141,3 +141,12 @@ def test_a_bare_sdpq_block_is_one_even_with_an_optimizer_section(tmp_path):
     path.write_text(json.dumps({"weightz": {}}))
     with pytest.raises(ConfigError, match="weightz"):
         _resolve("--config", str(path))
+
+
+def test_bad_ranks_per_node_and_missing_optimizer_params(tmp_path):
+    with pytest.raises(ConfigError, match="--ranks-per-node: 'two'; allowed: a positive integer or 'auto'"):
+        _resolve("--ranks-per-node", "two")
+    path = _file(tmp_path, optimizer__params={"lr": 0.01})
+    s = _resolve("--backend", "fsdp2", "--config", path).spec  # torch.optim.AdamW's defaults, as torch_adam
+    assert (s.lr, s.betas, s.eps, s.weight_decay) == (0.01, (0.9, 0.999), 1e-8, 0.01)
+    assert _resolve("--config", path, "--ranks-per-node", "2").ranks_per_node_from == "--ranks-per-node"
