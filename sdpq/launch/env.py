@@ -121,11 +121,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> JobE
 
 def compute_device(group=None) -> torch.device:
     """The device this process computes on, and so where every tensor it hands to a collective
-    must live: the current CUDA device when the process group's backend is NCCL (init_distributed
-    chose it and set the device from LOCAL_RANK), else the CPU (gloo)."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    must live: sdpq.comm.device.comm_device of the process group (NCCL: the current CUDA device,
+    which init_distributed set from LOCAL_RANK; gloo: the CPU); the CPU before any group exists."""
+    from ..comm.device import comm_device
+
+    return comm_device(group) if dist.is_initialized() else torch.device("cpu")
 
 
 def free_port() -> int:

@@ -114,9 +114,10 @@ class TokenData:
         starts = g.integers(lo, hi - seq_len - 1, size=batch_size)
         rows = np.stack([np.asarray(self.tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
         t = torch.from_numpy(rows)
-        if torch.device(device).type == "cuda":
+        device = torch.device(device)
+        if device.type == "cuda":
             # Pinned, so that the copy runs asynchronously to the host (it reads only the batch).
             t = t.pin_memory().to(device, non_blocking=True)
-        elif torch.device(device).type != "cpu":
+        elif device != torch.device("cpu"):
             t = t.to(device)
         return t[:, :-1], t[:, 1:]

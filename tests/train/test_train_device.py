@@ -117,3 +117,41 @@ def test_optimizer_bytes_are_all_reduced_on_the_device(collectives):
     with pytest.raises(RuntimeError, match="meta"):
         fsdp_backend._optimizer_bytes_per_param(opt, model, META)
     assert collectives == [META]
+
+
+# ----------------------------------------------------------------------------- the whole loop, NCCL as seen from CPU
+
+
+def _train_in_nccl_mode(ctx):
+    """fsdp_backend.train in the collective-device test mode (tests/collective_devices.py): the
+    group reports NCCL, its device is a stand-in accelerator. Returns (violations whose caller is
+    the training loop, how many batches were not on the stand-in, collectives checked)."""
+    from collective_devices import STANDIN, CollectiveDeviceError, device_of, nccl_devices
+
+    from sdpq.train.settings import EXACT
+
+    class Recording(TokenData):
+        def batch(self, *args, **kw):
+            x, y = super().batch(*args, **kw)
+            off.extend(t for t in (x, y) if device_of(t) != STANDIN)
+            return x, y
+
+    off: list = []
+    data = Recording(TokenData.stdlib().tokens)
+    spec = RunSpec(model=GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32), steps=2, micro_batch=2, warmup=1,
+                   sdpq=EXACT, ranks_per_node=1, eval_batches=1, log_every=1)
+    try:
+        with nccl_devices() as report:
+            fsdp_backend.train(spec, data=data)
+    except CollectiveDeviceError:
+        pass  # checked below: only the loop's own collectives are this test's business
+    # Note: the model's parameters are host tensors in this mode (FSDP2 keeps them where they
+    # were built; on a GPU fully_shard moves them to the mesh's device), so the collectives of
+    # FSDP2's buffers report the host; the training loop's own tensors must not.
+    mine = [v for v in report.violations if "sdpq/train/" in v]
+    return mine, len(off), report.checked
+
+
+def test_the_loop_hands_nccl_only_device_tensors(dist):
+    for mine, off, checked in dist.run(_train_in_nccl_mode, 2, 1, timeout=120):
+        assert mine == [] and off == 0 and checked > 0
