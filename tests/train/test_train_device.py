@@ -155,3 +155,25 @@ def _train_in_nccl_mode(ctx):
 def test_the_loop_hands_nccl_only_device_tensors(dist):
     for mine, off, checked in dist.run(_train_in_nccl_mode, 2, 1, timeout=120):
         assert mine == [] and off == 0 and checked > 0
+
+
+def _train_deepspeed_in_nccl_mode(ctx):
+    """deepspeed_backend.train in the same mode (DeepSpeed's own collectives are not checked)."""
+    from collective_devices import CollectiveDeviceError, nccl_devices
+
+    from sdpq.testing import reset_deepspeed_groups
+
+    reset_deepspeed_groups()  # DeepSpeed caches the groups of an earlier run in this worker
+    spec = RunSpec(backend="deepspeed", model=GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32), steps=2,
+                   micro_batch=2, warmup=1, ranks_per_node=1, eval_batches=1, log_every=1, count_bytes="exact")
+    try:
+        with nccl_devices() as report:
+            deepspeed_backend.train(spec)
+    except CollectiveDeviceError:
+        pass
+    return [v for v in report.violations if "sdpq/train/" in v], report.checked
+
+
+def test_the_deepspeed_loop_hands_nccl_only_device_tensors(dist):
+    for mine, checked in dist.run(_train_deepspeed_in_nccl_mode, 2, 1, timeout=120):
+        assert mine == [] and checked > 0
