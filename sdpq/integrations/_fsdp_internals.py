@@ -9,14 +9,16 @@ rest of sdpq calls only this module, so a torch release that renames something b
 one place, with the names listed below.
 
 Checked against: torch 2.13.0 (torch/distributed/fsdp/_fully_shard/_fsdp_api.py,
-_fsdp_common.py, _fsdp_param_group.py, _fsdp_param.py, _fully_shard.py). Not yet read: 2.11,
-2.14, 2.15 (run the FSDP2 integration tests on them: tests/integrations/test_fsdp*.py).
+_fsdp_common.py, _fsdp_param_group.py, _fsdp_param.py, _fully_shard.py), 2.11.0 (the same names
+but one: a module's state holds `_fsdp_param_group`, one group or None, where 2.13 holds the
+list `_fsdp_param_groups`) and 2.14.1 (the FSDP2 integration tests pass: `./run compat 2.14.1`).
 
 Names used (torch 2.13):
 - `torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`, `.ReduceScatter`: the base classes
   `set_custom_all_gather` / `set_custom_reduce_scatter` take (abstract `allocate`, `__call__`);
 - `torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo`;
-- `FSDPModule._get_fsdp_state()._fsdp_param_groups` -> list of FSDPParamGroup;
+- `FSDPModule._get_fsdp_state()._fsdp_param_groups` -> list of FSDPParamGroup (2.11:
+  `._fsdp_param_group`, one FSDPParamGroup or None);
 - FSDPParamGroup: `fsdp_params`, `mesh_info` (`.shard_process_group`), `post_forward_mesh_info`,
   `_is_hsdp`, `mp_policy.param_dtype`, `device`, `gradient_divide_factor`,
   `force_sum_reduction_for_comms`, `_all_gather_comm`, `_reduce_scatter_comm`, `_all_reduce_hook`;
@@ -60,7 +62,12 @@ ParamGroup = Any  # FSDPParamGroup (private): only the functions below look insi
 def param_groups(module: Any) -> list[ParamGroup]:
     """The FSDP parameter groups of one module sharded with fully_shard (one unless per-parameter
     meshes were used; none if it holds no parameters of its own)."""
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13+: a list
+    if groups is None:  # torch 2.11: one group, or None
+        one = state._fsdp_param_group
+        return [] if one is None else [one]
+    return list(groups)
 
 
 def unsupported_reason(pg: ParamGroup) -> str | None:
