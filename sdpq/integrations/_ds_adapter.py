@@ -9,7 +9,7 @@ What is patched, and why there (DeepSpeed 0.19.8):
   per-parameter attributes touches only this engine's parameters, and is undone by restoring
   them. `all_gather` takes the sdpq path for persistent parameters only: other callers
   (GatheredParameters, 16-bit state-dict export) read weights and get DeepSpeed's exact gather.
-  One `WeightGather` per parameter (keyed by `ds_id`, created on its first gather) holds
+  One `WeightGather` per parameter (keyed by `ds_id`, built by `initialize`) holds
   that parameter's node-resident reference: ZeRO-3 gathers a parameter alone or in groups that
   change with prefetching, so the parameter is the only stable "bucket". The parameters of one
   fetch still travel together (`gather_coalesced`): one inter-node collective for their pending
@@ -27,6 +27,15 @@ What is patched, and why there (DeepSpeed 0.19.8):
   runs, and DeepSpeed's function otherwise. DeepSpeed's averaging is kept bit for bit: the
   same pre-division by the group size in the gradient dtype (exact mode), or the SUM in fp32
   divided once afterwards (quantized mode); its pre/post-scaling factors stay its own.
+- hot path: the gather and reduce-scatter hooks run sdpq's part inside
+  `sdpq.comm.hotpath.hot_path` and never run a collective other than the data exchange: every
+  `WeightGather` is built by `initialize`, where one agreement collective checks all of them
+  together with the config, the layout, every parameter's sizes and the DeepSpeed settings that
+  cut gradient buckets (bucket size, contiguous gradients, communication dtype). A bucket's
+  `GradReduceScatter` is a function of those alone (its size is the sum of its parameters'
+  padded sizes), so the reduce-scatter hook builds it at the bucket's first use without a check
+  of its own (`agreed_at_setup`). The optimizer step's part (`mark_weights_changed`, which reads
+  what the last refreshes flagged on the device) runs between steps, like FSDP2's step hook.
 - devices: every buffer sdpq hands a collective, the gathered parameters and the restored
   references and residuals live on the world group's communication device (`comm_device`:
   NCCL's current GPU, which is DeepSpeed's accelerator). With `offload_param` the partitions
@@ -47,7 +56,8 @@ from typing import Any
 import torch
 
 from ..comm import CommStats, GradReduceScatter, Topology, WeightGather, gather_coalesced
-from ..comm.agreement import check_agreement
+from ..comm.agreement import agreement_batch, check_agreement
+from ..comm.hotpath import hot_path
 from ..comm.stats import process_stats
 from ..config import Config
 from ._ds_checkpoint import STATE_FILE, CheckpointMixin
@@ -96,11 +106,6 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         # This engine's counters (sdpq.stats.of(engine)); the process-wide ones get every record too.
         self.stats = CommStats(config=config.stats, parent=process_stats())
         self.topology = Topology.build(config.topology)
-        check_agreement(
-            "sdpq.deepspeed.initialize",
-            {"config": config.to_dict(), "layout": self.topology.layout},
-            self.topology.world_group,
-        )
         self.params: dict[int, Any] = {}
         for p in engine.module.parameters():
             self.params.setdefault(p.ds_id, p)
@@ -110,6 +115,13 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         self.weights: dict[int, WeightGather] = {}
         self.grads: dict[tuple, GradReduceScatter] = {}
         self._undo: list = []
+        # Note: one agreement collective for the engine and every WeightGather (the hooks build
+        # none; a rank that disagrees fails here, with the same error on every rank).
+        with agreement_batch("sdpq.deepspeed.initialize", self.topology.world_group):
+            check_agreement("engine", self._shaping_settings(), self.topology.world_group)
+            for p in self.params.values():
+                self.weights[p.ds_id] = self._build_weight_gather(p)
+        self._check_partitions()
         try:
             self._install_weights()
             self._install_grads()
@@ -165,30 +177,57 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
 
     # ------------------------------------------------------------------ weights
 
-    def _weight_gather(self, p) -> WeightGather:
-        wg = self.weights.get(p.ds_id)
-        if wg is None:
-            wcfg = self.config.weights
-            # Note: the wire pads codes to whole groups; a small parameter's shard (a bias, a norm)
-            # would send a full 2048-code group. Cap the group at the shard size (power of two).
-            cap = max(32, 1 << max(0, p.ds_tensor.ds_numel - 1).bit_length())
-            if cap < wcfg.group_size:
-                wcfg = dataclasses.replace(wcfg, group_size=cap)
-            wg = WeightGather(
-                p.ds_numel,
-                self.topology,
-                wcfg,
-                dtype=p.ds_tensor.dtype,
-                device=self._device,
-                stats=self.config.stats,
-                record_to=self.stats,
-            )
+    def _shaping_settings(self) -> dict:
+        """What every rank must hold alike for the collectives built here and at run time: the
+        config, the layout, every parameter's sizes (in ds_id order) and the ZeRO-3 settings that
+        cut gradient buckets. Given these, a bucket's GradReduceScatter follows from its parameters."""
+        z = self.optimizer
+        return {
+            "config": self.config.to_dict(),
+            "layout": self.topology.layout,
+            "params": [(p.ds_numel, p.ds_tensor.ds_numel, str(p.ds_tensor.dtype)) for p in self.params.values()],
+            "buckets": {
+                n: str(getattr(z, n, None))
+                for n in ("reduce_bucket_size", "contiguous_gradients", "reduce_scatter", "communication_data_type")
+            },
+        }
+
+    def _build_weight_gather(self, p) -> WeightGather:
+        """The parameter's gather (at initialize; its agreement check is collected there)."""
+        wcfg = self.config.weights
+        # Note: the wire pads codes to whole groups; a small parameter's shard (a bias, a norm)
+        # would send a full 2048-code group. Cap the group at the shard size (power of two).
+        cap = max(32, 1 << max(0, p.ds_tensor.ds_numel - 1).bit_length())
+        if cap < wcfg.group_size:
+            wcfg = dataclasses.replace(wcfg, group_size=cap)
+        return WeightGather(
+            p.ds_numel,
+            self.topology,
+            wcfg,
+            dtype=p.ds_tensor.dtype,
+            device=self._device,
+            stats=self.config.stats,
+            record_to=self.stats,
+        )
+
+    def _check_partitions(self) -> None:
+        """Raise unless ZeRO's partitions are the shards sdpq gathers. After the agreement: the
+        sizes are agreed, so every rank raises alike."""
+        for p in self.params.values():
+            wg = self.weights[p.ds_id]
             if wg.shard_numel != p.ds_tensor.ds_numel:
                 raise RuntimeError(
                     f"sdpq: parameter ds_id={p.ds_id} has ZeRO partitions of {p.ds_tensor.ds_numel} "
                     f"elements, sdpq expected {wg.shard_numel}"
                 )
-            self.weights[p.ds_id] = wg
+
+    def _weight_gather(self, p) -> WeightGather:
+        wg = self.weights.get(p.ds_id)
+        if wg is None:
+            raise RuntimeError(
+                f"sdpq: parameter ds_id={p.ds_id} is not one of the engine's parameters sdpq.deepspeed.initialize "
+                "set up (parameters added to the module after initialize are not supported)"
+            )
         return wg
 
     def _gather_into(self, params) -> None:
@@ -224,7 +263,8 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             from deepspeed.runtime.utils import assert_ints_same_as_other_ranks
 
             assert_ints_same_as_other_ranks([p.ds_id for p in params])
-        self._gather_into(params)
+        with hot_path("DeepSpeed ZeRO-3 parameter all-gather"):
+            self._gather_into(params)
         return _Done(params)
 
     def _all_gather(self, orig, owner, param_list=None, async_op=False, hierarchy=0):
@@ -238,7 +278,8 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         rest = [p for p in plist if id(p) not in mine]
         ret = orig(param_list=rest, async_op=async_op, hierarchy=hierarchy) if rest else ([] if async_op else None)
         ours.sort(key=lambda p: p.ds_id)
-        self._gather_into(ours)
+        with hot_path("DeepSpeed ZeRO-3 persistent parameter all-gather"):
+            self._gather_into(ours)
         for p in ours:
             p.ds_status = status.AVAILABLE
         return ret

@@ -4,6 +4,13 @@ _ds_adapter.py for what is patched and why).
 `stage3.reduce_scatter_coalesced` is the module-level name `__avg_scatter_grads` calls; it is
 replaced (once for all engines of the process) by a dispatcher that takes sdpq's path while an
 engine's `__avg_scatter_grads`, wrapped per instance to learn the bucket's parameters, runs.
+
+Note (hot path): the reduce-scatter runs inside `hot_path` and runs no collective but the data
+exchange. ZeRO-3 cuts buckets at run time, so a bucket's GradReduceScatter is built at its first
+use, under `agreed_at_setup`: initialize agreed on everything it is built from (config, layout,
+every parameter's size, the bucket-cutting settings; see `_shaping_settings`), so every rank
+builds the same one for the same bucket. Like DeepSpeed's own reduce-scatter, sdpq relies on
+every rank forming the same buckets (the same backward order).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from typing import Any
 import torch
 
 from ..comm import GradReduceScatter
+from ..comm.agreement import agreed_at_setup
+from ..comm.hotpath import hot_path
 from ._ds_state import AdapterState
 
 __all__ = ["GradientsMixin", "with_suppress"]
@@ -56,19 +65,24 @@ class GradientsMixin(AdapterState):
             # The gradients' device (the accelerator, even with offload_param: the partitions are
             # on the CPU, the gradients are not): residuals and rounding generators restored from
             # a checkpoint must live where the gradients are reduced.
-            grs = GradReduceScatter(
-                numel,
-                self.topology,
-                self.config.gradients,
-                device=self._device,
-                stats=self.config.stats,
-                record_to=self.stats,
-            )
+            with agreed_at_setup():  # by initialize: no collective, no host read here (see above)
+                grs = GradReduceScatter(
+                    numel,
+                    self.topology,
+                    self.config.gradients,
+                    device=self._device,
+                    stats=self.config.stats,
+                    record_to=self.stats,
+                )
             self.grads[key] = grs
         return grs
 
     def _reduce_scatter_coalesced(self, key, tensors, group):
         """DeepSpeed's reduce_scatter_coalesced (same layout, same averaging) on sdpq's collective."""
+        with hot_path("DeepSpeed ZeRO-3 gradient reduce-scatter"):
+            return self._reduce_scatter_bucket(key, tensors, group)
+
+    def _reduce_scatter_bucket(self, key, tensors, group):
         self.topology.check_group(group)
         N, rank = self.topology.world_size, self.topology.rank
         numels = tuple(t.numel() for t in tensors)

@@ -65,3 +65,18 @@ def build_engine(block, *, threshold=1000, bf16=False, lr=3e-3, zero=None):
     zero = {"stage3_param_persistence_threshold": threshold, **(zero or {})}
     cfg = deepspeed_backend.ds_config(spec, {"zero_optimization": zero})
     return sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+
+def train_steps(engine, rank: int, n: int, start: int = 0) -> list[float]:
+    """`n` training steps of `engine` on this rank's batches of the stdlib text (losses read on the
+    host after each step, outside sdpq's hooks)."""
+    from sdpq.train.data import TokenData
+
+    data, losses = TokenData.stdlib(), []
+    for s in range(start, start + n):
+        x, y = data.batch(s, rank, 2, TINY.seq_len)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
