@@ -55,8 +55,8 @@ _PENDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("sdpq_agr
 def agreement_batch(what: str, group) -> Iterator[None]:
     """Collect every `check_agreement` made inside the block (its settings and its group's ranks)
     and check them all in one collective on `group` when it ends (the error names `what`, each
-    check's own name and its position). A block left by an exception checks nothing. Collective: every rank of the group must
-    run the block and make the same number of checks in it."""
+    check's own name and its position). A block left by an exception checks nothing.
+    Collective: every rank of the group must run the block and make the same checks in it."""
     pending: list = []
     token = _PENDING.set(pending)
     try:
