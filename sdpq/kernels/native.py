@@ -5,7 +5,13 @@ Python (``torch.library``; see ``codec_ops`` and ``adamw_ops``). It is compiled 
 ``torch.utils.cpp_extension`` into a persistent cache (``$SDPQ_CACHE`` or
 ``~/.cache/sdpq/native``), keyed by the source, torch's version and the CPU's instruction
 sets, so later processes (every rank of every run) only load it. The first build takes about
-20-40 s per library on a 2-core machine; ranks started together wait on one file lock.
+20-40 s per library on a 2-core machine; ranks started together wait on one file lock, an
+``flock`` the kernel releases when its holder dies.
+
+Note: torch's own build lock (a ``lock`` file in the build folder, waited on forever) stays
+behind when a build is killed (Ctrl-C, a timeout, a killed rank), and every later process would
+hang on it. Under sdpq's ``flock`` nobody else is building in that folder, so such a file is
+stale and is removed before building.
 
 Without a working C++ compiler, or with ``SDPQ_NATIVE=0``, ``load`` warns once and returns
 False: callers then run the PyTorch reference, which computes the same thing more slowly.
@@ -16,6 +22,8 @@ library built for another processor is never loaded.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -72,6 +80,18 @@ def _key(name: str) -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path):
+    """One builder per folder at a time, across processes; released by the kernel if the holder
+    dies (unlike torch's lock file)."""
+    with open(build / ".sdpq-build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load(name: str) -> bool:
     """Build (first use) and load ``csrc/<name>.cpp``; True when its kernels are registered."""
@@ -88,16 +108,21 @@ def load(name: str) -> bool:
         if so.exists():  # built before: no compiler needed, no ninja check
             torch.ops.load_library(str(so))
             return True
-        cpp_extension.load(
-            name=lib,
-            sources=[str(source)],
-            extra_include_paths=[str(_CSRC)],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=[],
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=os.environ.get("SDPQ_NATIVE_VERBOSE") == "1",
-        )
+        with _build_lock(build):
+            if so.exists():  # another process built it while this one waited
+                torch.ops.load_library(str(so))
+                return True
+            (build / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed build
+            cpp_extension.load(
+                name=lib,
+                sources=[str(source)],
+                extra_include_paths=[str(_CSRC)],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=[],
+                build_directory=str(build),
+                is_python_module=False,
+                verbose=os.environ.get("SDPQ_NATIVE_VERBOSE") == "1",
+            )
         return True
     except Exception as e:  # no compiler, no ninja, a failed build: the reference path still works
         warnings.warn(
