@@ -22,6 +22,7 @@ import torch
 
 from sdpq.comm import TopologyError
 from sdpq.comm.topology import group_layout
+from sdpq.integrations import _fsdp_internals
 
 WORLD, RPN = 4, 2  # 2 simulated nodes x 2 ranks
 TINY = dict(n_layer=2, d_model=64, n_head=2, seq_len=32)
@@ -283,7 +284,7 @@ def _misuse(ctx):
     sf.remove(model)
     assert not sf.is_applied(model)
     for m in (model, *model.blocks):
-        st = m._get_fsdp_state()._fsdp_param_groups[0]
+        st = _fsdp_internals.param_groups(m)[0]  # the torch-version-aware accessor
         assert isinstance(st._all_gather_comm, DefaultAllGather)
         assert isinstance(st._reduce_scatter_comm, DefaultReduceScatter)
         assert st.force_sum_reduction_for_comms is False
