@@ -76,3 +76,19 @@ def test_version_pins_are_stated_once():
     torch_pin = next(d for d in project["dependencies"] if d.startswith("torch"))
     assert f"torch >= {torch_pin.split('>=')[1]};" in (root / "docs" / "fsdp.md").read_text()
     assert f"`{torch_pin}`" in (root / "README.md").read_text()
+
+
+def test_tested_torch_versions_are_the_claimed_ones():
+    """pyproject.toml claims no older torch than was tested, and the README's tested-versions
+    line names exactly the releases the FSDP2 internals were checked against."""
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    from sdpq.integrations._fsdp_internals import CHECKED_TORCH
+
+    root = Path(__file__).parents[1]
+    torch_pin = next(d for d in tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+                     if d.startswith("torch"))
+    oldest = tuple(int(x) for x in CHECKED_TORCH[0].split(".")[:2])
+    assert torch_pin == f"torch>={oldest[0]}.{oldest[1]}"
+    assert f"**Tested torch versions: {', '.join(CHECKED_TORCH)}**" in (root / "README.md").read_text()

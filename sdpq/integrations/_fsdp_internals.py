@@ -40,7 +40,12 @@ try:
 except ImportError as e:  # pragma: no cover - torch without FSDP2 custom comms
     raise ImportError(f"sdpq.fsdp needs torch >= 2.8 with FSDP2 custom comm hooks ({e})") from e
 
+# The torch releases the FSDP2 integration tests passed on (`./run compat VERSION`; 2.13.0 is
+# what CI runs). pyproject.toml claims no older torch than the first; README.md lists them.
+CHECKED_TORCH = ("2.11.0", "2.13.0", "2.14.1")
+
 __all__ = [
+    "CHECKED_TORCH",
     "AllGather",
     "ReduceScatter",
     "param_groups",
