@@ -20,7 +20,7 @@ Names used (torch 2.13):
 - `FSDPModule._get_fsdp_state()._fsdp_param_groups` -> list of FSDPParamGroup (2.11:
   `._fsdp_param_group`, one FSDPParamGroup or None);
 - FSDPParamGroup: `fsdp_params`, `mesh_info` (`.shard_process_group`), `post_forward_mesh_info`,
-  `_is_hsdp`, `mp_policy.param_dtype`, `device`, `gradient_divide_factor`,
+  `_is_hsdp`, `mp_policy.param_dtype` (2.15: per parameter, `FSDPParam.mp_policy`), `device`, `gradient_divide_factor`,
   `force_sum_reduction_for_comms`, `_all_gather_comm`, `_reduce_scatter_comm`, `_all_reduce_hook`;
 - FSDPParam: `sharded_param` (the DTensor parameter), `_sharded_local_tensor`,
   `padded_sharded_param_size`.
@@ -118,7 +118,16 @@ def shard_numels(pg: ParamGroup) -> list[tuple[int, bool]]:
 
 def param_dtype(pg: ParamGroup) -> torch.dtype:
     """The dtype FSDP all-gathers in: the mixed-precision param dtype, else the parameters'."""
-    return pg.mp_policy.param_dtype or pg.fsdp_params[0].sharded_param.dtype
+    if hasattr(pg, "mp_policy"):  # torch <= 2.14: one policy per group
+        return pg.mp_policy.param_dtype or pg.fsdp_params[0].sharded_param.dtype
+    # torch 2.15: the policy is resolved per parameter (FSDPParam.mp_policy)
+    dtypes = {fp.mp_policy.param_dtype or fp.sharded_param.dtype for fp in pg.fsdp_params}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"sdpq.fsdp: one FSDP module's parameters all-gather in several dtypes {sorted(map(str, dtypes))}; "
+            "sdpq gathers a module's parameters as one bucket: give them one param_dtype"
+        )
+    return dtypes.pop()
 
 
 def device(pg: ParamGroup) -> torch.device:
