@@ -11,7 +11,9 @@ one place, with the names listed below.
 Checked against: torch 2.13.0 (torch/distributed/fsdp/_fully_shard/_fsdp_api.py,
 _fsdp_common.py, _fsdp_param_group.py, _fsdp_param.py, _fully_shard.py), 2.11.0 (the same names
 but one: a module's state holds `_fsdp_param_group`, one group or None, where 2.13 holds the
-list `_fsdp_param_groups`) and 2.14.1 (the FSDP2 integration tests pass: `./run compat 2.14.1`).
+list `_fsdp_param_groups`), 2.14.1 and 2.15.0 (the mixed-precision policy is resolved per
+parameter, `FSDPParam.mp_policy`, where earlier releases hold one per group); the FSDP2
+integration tests pass on each (`./run compat VERSION`).
 
 Names used (torch 2.13):
 - `torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`, `.ReduceScatter`: the base classes
@@ -42,7 +44,7 @@ except ImportError as e:  # pragma: no cover - torch without FSDP2 custom comms
 
 # The torch releases the FSDP2 integration tests passed on (`./run compat VERSION`; 2.13.0 is
 # what CI runs). pyproject.toml claims no older torch than the first; README.md lists them.
-CHECKED_TORCH = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_TORCH = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 
 __all__ = [
     "CHECKED_TORCH",
