@@ -17,7 +17,7 @@ deepspeed = pytest.importorskip("deepspeed")
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 from collective_devices import STANDIN, device_of, nccl_devices  # noqa: E402
-from deepspeed_common import TINY, build_engine, fresh_deepspeed  # noqa: E402
+from deepspeed_common import build_engine, fresh_deepspeed, train_steps  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
 
@@ -32,19 +32,6 @@ OFFLOAD = {
 }
 
 
-def _steps(engine, rank: int, n: int, start: int = 0) -> list[float]:
-    from sdpq.train.data import TokenData
-
-    data, losses = TokenData.stdlib(), []
-    for s in range(start, start + n):
-        x, y = data.batch(s, rank, 2, TINY.seq_len)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
-    return losses
-
-
 def _state_devices(adapter) -> set[str]:
     """Where the restored sdpq state lives: references, residuals (as the test mode sees it)."""
     out = {str(device_of(wg.reference)) for wg in adapter.weights.values() if wg.reference is not None}
@@ -56,7 +43,7 @@ def _offload_fn(ctx, ckpt, option):
     fresh_deepspeed()
     with nccl_devices() as report:
         eng = build_engine(BLOCK, zero=OFFLOAD[option])
-        losses = _steps(eng, ctx.rank, 2)
+        losses = train_steps(eng, ctx.rank, 2)
         eng.save_checkpoint(ckpt, tag="t")
         eng2 = build_engine(BLOCK, zero=OFFLOAD[option])
         with warnings.catch_warnings():
@@ -65,7 +52,7 @@ def _offload_fn(ctx, ckpt, option):
         restored = _state_devices(sds.get_adapter(eng2))
         persistent = {str(device_of(p)) for p in eng2.module.parameters() if p.ds_persist}
         partitions = {str(device_of(p.ds_tensor)) for p in eng2.module.parameters()}
-        losses += _steps(eng2, ctx.rank, 1, start=2)
+        losses += train_steps(eng2, ctx.rank, 1, start=2)
     return {"losses": losses, "checked": report.checked, "restored": restored, "persistent": persistent,
             "partitions": partitions}  # fmt: skip
 
@@ -103,7 +90,7 @@ def _exact(p) -> torch.Tensor:
 def _unreadable_fn(ctx, ckpt, how):
     fresh_deepspeed()
     eng = build_engine(BLOCK)
-    _steps(eng, ctx.rank, 2)
+    train_steps(eng, ctx.rank, 2)
     eng.save_checkpoint(ckpt, tag="t")
     tdist.barrier()
     path = os.path.join(ckpt, "t", sds.STATE_FILE.format(rank=1))
@@ -122,7 +109,7 @@ def _unreadable_fn(ctx, ckpt, how):
             rebuilt &= torch.equal(p.data, _exact(p))
         else:  # gathered exactly at their next use
             rebuilt &= wg.dirty and wg._force_exact
-    losses = _steps(eng2, ctx.rank, 2, start=2)  # training continues
+    losses = train_steps(eng2, ctx.rank, 2, start=2)  # training continues
     return {"warned": [str(w.message) for w in caught if "sdpq" in str(w.message)], "rebuilt": rebuilt,
             "losses": losses, "checked": report.checked}  # fmt: skip
 
