@@ -49,6 +49,10 @@ def step_env(rehearse: bool) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1" if rehearse else "4")
+    if not rehearse:
+        # The CPU runs the GPU's results are compared with use the PyTorch reference: no C++
+        # build (tens of seconds per library) inside a step's time limit.
+        env.setdefault("SDPQ_NATIVE", "0")
     if rehearse:
         env["TRITON_INTERPRET"] = "1"
         env["SDPQ_TRITON"] = "interpret"

@@ -106,11 +106,12 @@ def _fsdp_worker(rank: int, port: int, rehearse: bool, steps: int, d_model: int,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     res = {}
-    for arm, dev, use in (
-        ("sdpq_device", device, True),
-        ("plain_device", device, False),
-        ("sdpq_cpu", torch.device("cpu"), True),
-    ):
+    arms = [("sdpq_device", device, True), ("sdpq_cpu", torch.device("cpu"), True)]
+    if rehearse:
+        # Plain FSDP2 calls gloo's own all-gather / reduce-scatter, which refuse CUDA tensors
+        # (sdpq's collectives carry them through the host): on the GPU it cannot run this way.
+        arms.insert(1, ("plain_device", device, False))
+    for arm, dev, use in arms:
         _use_kernels_for("device" if arm.endswith("device") else "cpu", rehearse)
         res[arm] = _fsdp_run(dev, use, steps, d_model)
     if rank == 0:
@@ -204,6 +205,9 @@ def _zero3_run(device: torch.device, steps: int, d_model: int) -> list[float]:
 def _zero3_worker(rank: int, port: int, rehearse: bool, steps: int, d_model: int, out: str) -> None:
     _init_rank(rank, port)
     if not rehearse:
+        # DeepSpeed puts a rank on cuda:LOCAL_RANK; every rank shares the one GPU here (the
+        # block's topology names the simulated nodes itself).
+        os.environ["LOCAL_RANK"] = "0"
         torch.cuda.set_device(0)
     _use_kernels_for("device", rehearse)
     res = {"sdpq_device": _zero3_run(torch.device("cpu" if rehearse else "cuda"), steps, d_model)}
