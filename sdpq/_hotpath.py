@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ENV_VAR",
     "HostSyncError",
     "hot_path",
     "host_read",

@@ -11,25 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
+from ..launch.env import free_port
 from .steps import Checks, Ctx
 
 __all__ = ["train_fsdp", "train_zero3"]
 
 WORLD, PER_NODE = 4, 2
 LOSS_RTOL = 0.02  # bf16 compute on two devices (cuBLAS vs CPU GEMMs) over a few steps
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(step: int, rank: int, seq: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +128,7 @@ def _spawn(worker, ctx: Ctx, steps: int, d_model: int) -> dict:
         out = os.path.join(tmp, "losses.json")
         method = "fork" if ctx.rehearse else "spawn"
         mp.start_processes(
-            worker, args=(_free_port(), ctx.rehearse, steps, d_model, out), nprocs=WORLD, start_method=method
+            worker, args=(free_port(), ctx.rehearse, steps, d_model, out), nprocs=WORLD, start_method=method
         )
         return json.loads(Path(out).read_text())
 

@@ -4,24 +4,5 @@ environment variable SDPQ_HOTPATH_GUARD=1). Implemented in `sdpq/_hotpath.py` (s
 every layer, because the math layer uses it too.
 """
 
-from .._hotpath import (
-    ENV_VAR,
-    HostSyncError,
-    disable_guard,
-    enable_guard,
-    guard_enabled,
-    host_read,
-    hot_path,
-    is_guard_enabled,
-)
-
-__all__ = [
-    "ENV_VAR",
-    "HostSyncError",
-    "hot_path",
-    "host_read",
-    "enable_guard",
-    "disable_guard",
-    "guard_enabled",
-    "is_guard_enabled",
-]
+from .._hotpath import *  # noqa: F403 - one implementation, re-exported for the layers above
+from .._hotpath import __all__  # noqa: F401
