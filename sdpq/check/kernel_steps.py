@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import shutil
 import subprocess
 
@@ -385,6 +384,4 @@ def codec_1p3b(ctx: Ctx) -> dict:
     c = Checks()
     c.add("timed", t > 0)
     notes = ["rehearsal: d_model 64 in the interpreter"] if ctx.rehearse else []
-    if os.environ.get("SDPQ_CHECK_DEBUG"):
-        notes.append(f"chunk {chunk}")
     return c.result(figures, notes)

@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["write_report"]
+__all__ = ["write_report", "passed"]
+
+
+def passed(records: list[dict]) -> bool:
+    """Every step passed or was skipped for a stated reason ("skipped" for the budget is a failure)."""
+    return all(r["status"] in ("pass", "skip") for r in records)
 
 
 def write_report(out: Path, meta: dict, records: list[dict]) -> list[Path]:
-    doc = {"meta": meta, "steps": records, "passed": all(r["status"] in ("pass", "skip") for r in records)}
+    doc = {"meta": meta, "steps": records, "passed": passed(records)}
     paths = [out / "gpu_report.json", out / "gpu_report.md"]
     paths[0].write_text(json.dumps(doc, indent=1, default=str))
     paths[1].write_text(_markdown(doc))
