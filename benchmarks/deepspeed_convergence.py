@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from sdpq.launch.local import LAUNCHERS, run_local  # noqa: E402
 from sdpq.train.run import RunSpec  # noqa: E402
 
-EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
+from sdpq.train.settings import EXACT  # noqa: E402 (bitwise the plain framework, bytes counted)
 FULL = {"weights": {"mode": "diff"}, "gradients": {"mode": "two_level"},
         "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"},
         "workarounds": {"deepspeed_alias_bf16_master": True}}

@@ -27,15 +27,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .train.settings import EXACT as TRAIN_EXACT
+from .train.settings import EXACT
 
 __all__ = ["add_arguments", "main", "ARMS", "DEFAULT_ARMS", "PAIRS", "Arm", "arm_command"]
 
 # The baselines run sdpq's "exact" collectives with the framework's own optimizer: bitwise equal
 # to plain FSDP2 / ZeRO-3 (tests/integrations assert it), and their bytes are counted by the same
-# statistics as sdpq's, so the cross-node ratio compares like with like. python -m sdpq.train
-# counts a run without a block the same way (sdpq.train.settings, --count-bytes exact).
-EXACT = TRAIN_EXACT
+# statistics as sdpq's, so the cross-node ratio compares like with like (EXACT, from
+# sdpq.train.settings: python -m sdpq.train counts a run without a block the same way).
+
 # The library's defaults, spelled out (an empty block would mean plain DeepSpeed): 4-bit weight
 # differences, 8/4-bit gradients with Hadamard, FP8 states + MCF master (which needs bf16); with
 # ZeRO-3, the opt-in workaround that drops its redundant bf16 master copy (FSDP2 ignores it).
