@@ -140,6 +140,11 @@ class WeightGather:
         with timing.span("weights.gather"):
             dtype = out.dtype if out is not None else self.dtype
             mode = self.config.mode
+            # Note: a padded, contiguous `out` receives the gathered rows directly (no full-size
+            # buffer, no copy afterwards).
+            into = None
+            if out is not None and out.numel() == self.padded_numel and out.is_contiguous():
+                into = out.view(-1)
             # Note: read the shard into a copy before writing `out` (FSDP2 passes a slice of out as
             # the input). fp32 for the quantized modes (differences in fp32), the output dtype for
             # the exact one (bitwise the plain gather, whatever the dtype). A diff gather without a
@@ -149,13 +154,11 @@ class WeightGather:
                     self._refresh(self._shard_copy(shard, torch.float32), shard.dtype)
                 else:
                     self._check_shard(shard)
-                # Note: a padded `out` receives the node-interleaved rows directly (one copy, not two).
-                direct = out is not None and out.numel() == self.padded_numel and out.is_contiguous()
-                full = self._gather_reference(dtype, out.view(-1) if out is not None and direct else None)
+                full = self._gather_reference(dtype, into)
             elif mode == "direct":
                 full = self._gather_direct(self._shard_copy(shard, torch.float32), dtype)
             else:
-                full = self._gather_exact(self._shard_copy(shard, dtype), dtype)
+                full = self._gather_exact(self._shard_copy(shard, dtype), into)
             return self._output(full, out)
 
     def _check_shard(self, shard: torch.Tensor) -> None:
@@ -415,9 +418,9 @@ class WeightGather:
             self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra", relative_error(own, w))
         return full.to(dtype).reshape(-1)
 
-    def _gather_exact(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _gather_exact(self, src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         topo = self.topology
         with timing.span("comm.weights"):
-            rows, _ = all_gather_rows(src, topo.world_group)
+            rows, _ = all_gather_rows(src, topo.world_group, out=into)
         self._record_world(src.numel() * src.element_size(), src.element_size())
         return rows.reshape(-1)
