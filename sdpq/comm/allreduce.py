@@ -21,6 +21,8 @@ the same non-finite rule (a rank holding inf/NaN contributes NaN everywhere).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +31,7 @@ from ..quant.fused import decode_rows, decode_rows_inverse_hadamard, encode_rows
 from . import timing
 from ._exchange import all_gather_rows
 from .grads import GradReduceScatter
+from .segments import Segment, cut_segments
 from .stats import CommStats, Recorder
 from .topology import Topology
 
@@ -40,6 +43,8 @@ class GradAllReduce:
     Every rank builds it with the same arguments and calls it collectively.
 
     stats / record_to: as for WeightGather (bytes are recorded under "gradients", per link).
+    segments: where the bucket's parameters lie (offsets in the bucket): both phases keep their
+    groups and Hadamard blocks inside one parameter (see GradReduceScatter).
     """
 
     def __init__(
@@ -51,13 +56,15 @@ class GradAllReduce:
         device: torch.device | str | None = None,
         stats: StatsConfig | None = None,
         record_to: CommStats | None = None,
+        segments: Sequence[Segment] | None = None,
     ):
         self.config = c = config or GradientsConfig()
         self.topology = topology
         self.numel = numel
         # Phase 1; its state (residual, rounding stream, call count) is this object's state.
+        chunks = None if segments is None else cut_segments(segments, numel, topology.world_size)
         self.reduce_scatter = GradReduceScatter(
-            numel, topology, c, device=device, stats=stats, record_to=record_to
+            numel, topology, c, device=device, stats=stats, record_to=record_to, segments=chunks
         )  # fmt: skip
         rs = self.reduce_scatter
         # Phase 2 travels on the slowest link the group has (the inter-node format across nodes).
@@ -116,7 +123,11 @@ class GradAllReduce:
         rs, spec = self.reduce_scatter, self.gather_spec
         C, cn = rs.padded_chunk, rs.chunk_numel
         row = torch.zeros((1, C), dtype=torch.float32, device=chunk.device)
-        row[0, :cn] = chunk
+        placement = rs.placement
+        if placement is not None:
+            placement.pack_chunk(chunk, self.topology.rank, row[0])
+        else:
+            row[0, :cn] = chunk
         gen = rs._generator(chunk.device)
         with timing.span("grads.encode"):
             wire, _, _ = encode_rows(row, spec, hadamard=self.hadamard, generator=gen)
@@ -131,7 +142,7 @@ class GradAllReduce:
                 vals = torch.empty((rows.shape[0], C), dtype=torch.float32, device=chunk.device)
                 decode_rows(rows, spec, C, vals)
         self._record_gather(itemsize)
-        return vals[:, :cn].reshape(-1)
+        return vals[:, :cn].reshape(-1) if placement is None else placement.unpack(vals)
 
     def _record_gather(self, itemsize: int) -> None:
         # This rank's chunk reaches every other member: L - 1 inside its node, the rest across nodes.

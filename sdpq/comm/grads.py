@@ -24,6 +24,8 @@ Note (own rows): a rank's own contribution to its own chunk is summed exactly, n
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -39,12 +41,18 @@ from ._exchange import all_to_all_rows, reduce_scatter_flat
 from ._rng import generator_state, restore_generator
 from .agreement import check_agreement
 from .chunks import chunk_layout
+from .segments import Segment
 from .stats import CommStats, Recorder
 from .topology import Topology
 
 __all__ = ["GradReduceScatter"]
 
 _NAN = float("nan")
+
+
+def _digest(runs: tuple) -> str:
+    """A short fingerprint of a placement, for the agreement check."""
+    return hashlib.sha256(repr(runs).encode()).hexdigest()[:16]
 
 
 class _Call(NamedTuple):
@@ -85,6 +93,10 @@ class GradReduceScatter:
     numel: elements of the full input bucket; each rank gets `chunk_numel` = ceil(numel / N)
     (elements past the end of the bucket, on the last ranks, are returned as zeros).
     stats / record_to: as for WeightGather.
+    segments: per chunk, where its parameters lie (`sdpq.comm.segments`): every quantization
+    group and Hadamard block is then kept inside one parameter (and one row of it), so a row
+    that is zero on every rank comes back exactly zero. Without it, blocks are cut at fixed
+    multiples of the chunk.
     """
 
     def __init__(
@@ -96,6 +108,7 @@ class GradReduceScatter:
         device: torch.device | str | None = None,
         stats: StatsConfig | None = None,
         record_to: CommStats | None = None,
+        segments: Sequence[Sequence[Segment]] | None = None,
     ):
         if numel < 1:
             raise ValueError(f"GradReduceScatter: numel must be positive, got {numel}")
@@ -104,8 +117,8 @@ class GradReduceScatter:
         self.numel = numel
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         N = topo.world_size
-        lay = chunk_layout(numel, N, topo.ranks_per_node, c)
-        self.chunk_numel, self.padded_chunk, self.slices, self.hadamard_block = lay
+        lay = chunk_layout(numel, N, topo.ranks_per_node, c, segments)
+        self.chunk_numel, self.padded_chunk, self.slices, self.hadamard_block, self.placement = lay
         cn = self.chunk_numel
         valid = [max(0, min(cn, numel - r * cn)) for r in range(N)]
         self.slice_numel = self.padded_chunk // self.slices
@@ -124,7 +137,12 @@ class GradReduceScatter:
         self._count_elements(valid)
         check_agreement(
             "GradReduceScatter",
-            {"gradients": dataclasses.asdict(c), "numel": numel, "layout": topo.layout},
+            {
+                "gradients": dataclasses.asdict(c),
+                "numel": numel,
+                "layout": topo.layout,
+                "placement": None if lay.placement is None else _digest(lay.placement.runs),
+            },
             topo.world_group,
         )
         self.residual: torch.Tensor | None = None  # error feedback of the inter-node stage
@@ -240,6 +258,8 @@ class GradReduceScatter:
         bucket is never copied whole, and a slice's rows are freed once encoded (the stages only
         read them: encodes and sums write new buffers)."""
         N, cn, C, S = self.topology.world_size, self.chunk_numel, self.padded_chunk, self.slice_numel
+        if self.placement is not None:  # x is already the padded rows (see _two_level)
+            return x.view(N, C)[:, j * S : (j + 1) * S]
         if cn == C and N * cn == self.numel:
             return x.view(N, C)[:, j * S : (j + 1) * S]
         rows = torch.zeros((N, S), dtype=torch.float32, device=x.device)
@@ -259,6 +279,11 @@ class GradReduceScatter:
         if c.error_feedback and topo.nodes > 1 and self.residual is None:
             self.residual = torch.zeros((topo.nodes, C), dtype=torch.float32, device=x.device)
         sample = self._rec.sample_due(self.calls)
+        if self.placement is not None:
+            # Note (memory): one padded copy of the bucket in its own dtype, as the unaligned path
+            # makes one fp32 slice when a chunk needs padding.
+            with timing.span("grads.encode"):
+                x = self.placement.pack(x, self.numel).view(-1)
         call = _Call(
             x=x,
             result=torch.empty(0, dtype=torch.float32, device=x.device),  # allocated below
@@ -285,6 +310,11 @@ class GradReduceScatter:
             self._finish_inter(call, j, inter)
             del inter
         self._record_two_level(x.element_size())
+        if self.placement is not None:
+            out = torch.empty(cn, dtype=torch.float32, device=x.device)
+            self.placement.unpack_chunk(call.result, topo.rank, out)
+            out[self._valid_own :] = 0
+            return out
         call.result[self._valid_own :] = 0  # padding and past-the-end positions
         return call.result[:cn]
 

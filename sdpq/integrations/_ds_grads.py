@@ -23,6 +23,7 @@ import torch
 from ..comm import GradReduceScatter
 from ..comm.agreement import agreed_at_setup
 from ..comm.hotpath import hot_path
+from ..comm.segments import interleaved_segments
 from ._ds_state import AdapterState
 
 __all__ = ["GradientsMixin", "with_suppress"]
@@ -47,6 +48,12 @@ def _dispatch_reduce_scatter_coalesced(tensors, group=None):
     return adapter._reduce_scatter_coalesced(key, tensors, group)
 
 
+def _row_width(p) -> int:
+    """A parameter's row width (its last dim), 0 for a 1-D one."""
+    shape = tuple(getattr(p, "ds_shape", p.shape))
+    return int(shape[-1]) if len(shape) > 1 else 0
+
+
 def with_suppress(fn) -> None:
     try:
         fn()
@@ -62,6 +69,10 @@ class GradientsMixin(AdapterState):
         if grs is None:
             N = self.topology.world_size
             numel = N * sum(-(-n // N) for n in key[1])
+            # Row r of the bucket holds chunk r of every parameter (see _reduce_scatter_bucket):
+            # groups and Hadamard blocks are kept inside one parameter and one row of it.
+            widths = [_row_width(self.params[i]) for i in key[0]]
+            segments = interleaved_segments(list(zip(key[1], widths)), N)
             # The gradients' device (the accelerator, even with offload_param: the partitions are
             # on the CPU, the gradients are not): residuals and rounding generators restored from
             # a checkpoint must live where the gradients are reduced.
@@ -73,6 +84,7 @@ class GradientsMixin(AdapterState):
                     device=self._device,
                     stats=self.config.stats,
                     record_to=self.stats,
+                    segments=segments,
                 )
             self.grads[key] = grs
         return grs

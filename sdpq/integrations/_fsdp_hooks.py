@@ -24,6 +24,7 @@ from torch import nn
 
 from ..comm import CommStats, GradAllReduce, GradReduceScatter, Topology, TopologyError, WeightGather
 from ..comm.hotpath import hot_path
+from ..comm.segments import sharded_segments
 from ..config import Config
 from . import _fsdp_internals as fsdp_internals
 from ._fsdp_internals import AllGather, ReduceScatter
@@ -81,10 +82,23 @@ class ModuleComms:
             return
         device = fsdp_internals.device(self.param_group)
         kw: dict[str, Any] = {"device": device, "stats": self.config.stats, "record_to": self.stats}
-        rs = GradReduceScatter(self.grad_numel, self.topology, self.config.gradients, **kw)
+        # Where each trainable parameter's shard lies in a rank's chunk: groups and Hadamard
+        # blocks are kept inside one parameter (and one row of it).
+        shards = [
+            (n, width)
+            for (n, trainable), width in zip(
+                fsdp_internals.shard_numels(self.param_group), fsdp_internals.shard_row_widths(self.param_group)
+            )
+            if trainable
+        ]
+        segments = sharded_segments(shards, self.topology.world_size)
+        grads = self.config.gradients
+        rs = GradReduceScatter(self.grad_numel, self.topology, grads, segments=segments, **kw)
         self.gradients[self.grad_numel] = rs
         if self.replicate is not None:  # the reduce-scatter output this rank all-reduces
-            self.replicas[rs.chunk_numel] = GradAllReduce(rs.chunk_numel, self.replicate, self.config.gradients, **kw)
+            self.replicas[rs.chunk_numel] = GradAllReduce(
+                rs.chunk_numel, self.replicate, grads, segments=segments[0], **kw
+            )  # fmt: skip
 
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """FSDP's reduce-scatter input (N rows of this module's padded gradient shards) -> out."""

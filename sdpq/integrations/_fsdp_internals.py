@@ -56,6 +56,7 @@ __all__ = [
     "is_native_hsdp",
     "sharded_params",
     "shard_numels",
+    "shard_row_widths",
     "param_dtype",
     "device",
     "gradient_divide_factor",
@@ -116,6 +117,18 @@ def shard_numels(pg: ParamGroup) -> list[tuple[int, bool]]:
     requires a gradient). FSDP's flat all-gather input is their concatenation; its reduce-scatter
     input, per rank, that of the parameters that got a gradient."""
     return [(fp.padded_sharded_param_size.numel(), fp.sharded_param.requires_grad) for fp in pg.fsdp_params]
+
+
+def shard_row_widths(pg: ParamGroup) -> list[int]:
+    """Per parameter, in FSDP's order: the row width of its shard (the last dim of a parameter
+    sharded on dim 0, whose shards then hold whole rows; 0 for 1-D parameters and for other
+    shard placements, whose shards sdpq does not look into)."""
+    out = []
+    for fp in pg.fsdp_params:
+        size, placement = fp.padded_sharded_param_size, getattr(fp, "fsdp_placement", None)
+        dim = getattr(placement, "dim", 0)
+        out.append(int(size[-1]) if len(size) > 1 and dim == 0 else 0)
+    return out
 
 
 def param_dtype(pg: ParamGroup) -> torch.dtype:

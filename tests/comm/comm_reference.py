@@ -66,11 +66,14 @@ def rs_error_bound(inputs: torch.Tensor, rank: int, ranks_per_node: int, rs) -> 
     N, numel = inputs.shape
     L, nodes = ranks_per_node, N // ranks_per_node
     cn, C = rs.chunk_numel, rs.padded_chunk
-    X = torch.zeros(N, N * cn)
-    X[:, :numel] = inputs
-    X = X.view(N, N, cn)
-    Xp = torch.zeros(N, N, C)
-    Xp[:, :, :cn] = X
+    if rs.placement is not None:  # the chunks as they travel: parameters placed on whole groups
+        Xp = torch.stack([rs.placement.pack(inputs[p].float(), numel).float() for p in range(N)])
+    else:
+        X = torch.zeros(N, N * cn)
+        X[:, :numel] = inputs
+        X = X.view(N, N, cn)
+        Xp = torch.zeros(N, N, C)
+        Xp[:, :, :cn] = X
     Y = hadamard(Xp, rs.hadamard_block, cfg.seed).double() if cfg.hadamard else Xp.double()
     Yd = Y[:, rank, :]  # [N sources, C]
     delta = 0.5 if cfg.rounding == "nearest" else 1.0

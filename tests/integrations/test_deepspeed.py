@@ -81,7 +81,8 @@ def test_full_sdpq_trains_and_references_identical_across_holders(dist):
     exact = run4(dist, dataclasses.replace(spec, sdpq=EXACT))
     assert full[0]["cross"] < exact[0]["cross"] / 3
     c = full[0]["comm"]
-    assert c["gradients"]["inter"]["bits_per_element"] < 4.5
+    # 4.25 + the padding that keeps groups inside parameters (tiny model: 16-element bias chunks)
+    assert c["gradients"]["inter"]["bits_per_element"] < 4.6
     # bf16 weights = MCF high part (one copy) + bf16 low part + FP8 m and v + metadata, vs 2 + 4 + 8.
     assert plain[0]["opt_bytes"] == pytest.approx(14, abs=0.01)
     assert full[0]["opt_bytes"] < 6.3
@@ -105,7 +106,7 @@ def test_direct_weights_and_gradients_alone(dist):
             assert all(abs(a - b) / a < 0.01 for a, b in zip(p["losses"], q["losses"]))
     # int8 codes + fp32 scales; the tiny model's many small shards pay a scale each.
     assert direct[0]["comm"]["weights"]["inter"]["bits_per_element"] < 9
-    assert "gradients" in grads[0]["comm"] and grads[0]["comm"]["gradients"]["inter"]["bits_per_element"] < 4.5
+    assert "gradients" in grads[0]["comm"] and grads[0]["comm"]["gradients"]["inter"]["bits_per_element"] < 4.6
 
 
 # ----------------------------------------------------------------------------- checkpoints

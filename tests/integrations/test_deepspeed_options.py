@@ -61,7 +61,7 @@ def test_statistics_reach_deepspeed_monitor_writers(dist, tmp_path):
             rows[name] = [float(r[1]) for r in list(csv.reader(f))[1:]]
     assert len(rows["sdpq_skipped_steps"]) == SPEC.steps  # one event per optimizer step
     assert all(b > 0 for b in rows["sdpq_gradients_inter_bytes"])
-    assert all(4.0 < b < 4.5 for b in rows["sdpq_gradients_inter_bits_per_element"])
+    assert all(4.0 < b < 4.6 for b in rows["sdpq_gradients_inter_bits_per_element"])  # with group padding
     assert all(4.0 < b < 16.5 for b in rows["sdpq_weights_inter_bits_per_element"])  # first refresh exact
 
 

@@ -73,9 +73,11 @@ def test_hsdp_replicate_all_reduce(dist, bf16):
     assert quant[0]["params"] == quant[2]["params"] and quant[1]["params"] == quant[3]["params"]
     q, n = quant[0]["losses"], native[0]["losses"]
     assert all(abs(a - b) / b < 0.03 for a, b in zip(q, n)), (q, n)
-    # Cross-node: only the replicate all-reduce, at 4 bits (+ fp32 scales per 128) in both phases.
+    # Cross-node: only the replicate all-reduce, at 4 bits (+ fp32 scales per 128) in both phases,
+    # plus the padding that keeps every group inside one parameter (at d_model 64 a norm's or a
+    # bias's 32-element shard takes a whole 128-element group: ~0.2 bits per element here).
     grads = quant[0]["comm"]["gradients"]
-    assert grads["inter"]["bits_per_element"] == pytest.approx(4.25, abs=0.1)
+    assert 4.25 <= grads["inter"]["bits_per_element"] < 4.6
     assert grads["inter"]["calls"] == 3 * steps * 2  # 3 FSDP modules; each all-reduce counts its 2 phases
     assert "inter" not in quant[0]["comm"].get("weights", {})
 
@@ -220,4 +222,5 @@ def test_hsdp_x_tp(dist):
     assert [r["shards"] for r in quant[:4]] == [r["shards"] for r in quant[4:]]
     assert len({r["shards"] for r in quant[:4]}) == 4
     s = quant[0]["stats"]["gradients"]
-    assert s["inter"]["bits_per_element"] == pytest.approx(4.25, abs=0.1)  # the replicate all-reduce
+    # the replicate all-reduce: 4.25 bits + the padding of small shards to whole groups (see above)
+    assert 4.25 <= s["inter"]["bits_per_element"] < 4.6
