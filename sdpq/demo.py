@@ -1,8 +1,9 @@
 """``sdpq demo``: the four-arm comparison a new user runs first.
 
-A small byte-level GPT trained on the Python standard library's source on 4 CPU ranks as
-2 simulated nodes x 2, four arms on the same seed and data: FSDP2 baseline, FSDP2 + sdpq,
-ZeRO-3 baseline, ZeRO-3 + sdpq. The baselines are what users run: bf16 mixed precision (FSDP2
+A small byte-level GPT (``--model llama``: the Llama-shaped model of sdpq/train/llama.py) trained
+on the Python standard library's source on 4 CPU ranks as 2 simulated nodes x 2, four arms on
+the same seed and data: FSDP2 baseline, FSDP2 + sdpq, ZeRO-3 baseline, ZeRO-3 + sdpq. The
+baselines are what users run: bf16 mixed precision (FSDP2
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on fp32 parameters, ZeRO-3
 ``"bf16": {"enabled": true}``); every ratio the demo prints is against them. Two optional arms,
 ``fsdp2-fp32`` and ``zero3-fp32`` (``--arms``), train in fp32 as context only. Each arm is its own
@@ -27,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .train.model import MODELS
 from .train.settings import EXACT
 
 __all__ = ["add_arguments", "main", "ARMS", "DEFAULT_ARMS", "PAIRS", "Arm", "arm_command"]
@@ -81,6 +83,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's layout and model options (shared with `sdpq bench step`, which runs its arms)."""
     p.add_argument("--ranks", type=int, default=4, help="total ranks (processes)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="simulated node size")
+    p.add_argument("--model", choices=list(MODELS), default="gpt", help="gpt, or llama (python -m sdpq.train --model)")
     p.add_argument("--d-model", type=int, default=192)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
@@ -122,6 +125,8 @@ def arm_command(
         arm.backend,
         "--steps",
         str(args.steps),
+        "--model",
+        args.model,
         "--d-model",
         str(args.d_model),
         "--n-layer",
@@ -257,7 +262,7 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=max(Console().width, 150))
     console.print(
-        f"[bold]sdpq demo[/]: {len(args.arms)} arms x {args.steps} steps, {args.ranks} ranks as "
+        f"[bold]sdpq demo[/]: {args.model}, {len(args.arms)} arms x {args.steps} steps, {args.ranks} ranks as "
         f"{args.ranks // args.ranks_per_node} simulated nodes x {args.ranks_per_node}; output in {out}/"
     )
     records = []

@@ -1,12 +1,16 @@
 """sdpq demo end to end (tiny: 3 steps, 2 ranks as 2 nodes x 1, the two FSDP2 arms): table, JSON
-records and the plot; the arm definitions and the ratio lines (fp32 context arms included)."""
+records and the plot; the arm definitions and the ratio lines (fp32 context arms included); the
+model every arm trains (--model)."""
 
+import argparse
 import json
+import re
 
+import pytest
 from rich.console import Console
 
 from sdpq.cli import main
-from sdpq.demo import ARMS, DEFAULT_ARMS, _table
+from sdpq.demo import ARMS, DEFAULT_ARMS, _table, add_arguments, arm_command
 
 
 def test_default_arms_are_bf16_baselines_and_their_sdpq_arms():
@@ -60,3 +64,18 @@ def test_demo_writes_records_and_plot(tmp_path, capsys):
     assert comm["weights"]["inter"]["bits_per_element"] == 16 and comm["gradients"]["inter"]["bits_per_element"] == 32
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert "fsdp2+sdpq vs fsdp2 (bf16 mixed precision): final loss ratio" in capsys.readouterr().out
+
+
+def test_every_arm_trains_the_model_asked_for(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for argv, kind in (([], "gpt"), (["--model", "llama"], "llama")):
+        for name in ARMS:
+            cmd = arm_command(name, p.parse_args(argv), tmp_path)
+            assert cmd[cmd.index("-m", cmd.index("torch.distributed.run")) + 1] == "sdpq.train"
+            assert cmd[cmd.index("--model") + 1] == kind, name
+    with pytest.raises(SystemExit):
+        main(["demo", "--model", "foo"])
+    # argparse quotes the choices on Python < 3.12.8 / 3.13.1 and not after.
+    assert re.search(r"argument --model: invalid choice: 'foo' \(choose from '?gpt'?, '?llama'?\)",
+                     capsys.readouterr().err)

@@ -1,4 +1,4 @@
-"""``python -m sdpq.train``: train the small GPT under any launcher, with FSDP2 or DeepSpeed.
+"""``python -m sdpq.train``: train the small GPT (or ``--model llama``) under any launcher, with FSDP2 or DeepSpeed.
 
     torchrun --nproc-per-node 4 -m sdpq.train --backend fsdp2 --config ds_configs/zero3_sdpq.json
     deepspeed --hostfile launchers/hostfile -m sdpq.train --backend deepspeed ...
@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from .model import MODELS
 from .run import RunResult, RunSpec
 from .settings import layout, resolve
 
@@ -67,9 +68,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bf16 compute on full-precision parameters: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
         "reduce_dtype=fp32), DeepSpeed bf16 mode (fp32 master); none = fp32 compute",
     )
+    p.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default="gpt",
+        help="gpt: the small GPT (learned positions, LayerNorm, GELU MLP, tied embeddings); llama: Llama-shaped "
+        "(RMSNorm, rotary positions, SwiGLU MLP, no biases, untied head; sdpq/train/llama.py)",
+    )
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
+    p.add_argument(
+        "--n-kv-head",
+        type=int,
+        default=None,
+        help="--model llama: key/value heads, a divisor of --n-head (grouped-query attention; default: --n-head)",
+    )
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument(
         "--data", default=None, help="directory of text files or Megatron .bin/.idx prefix (default: stdlib source)"
@@ -133,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sdpq.train] {line}", flush=True)
         print(
             f"[sdpq.train] launcher={job.launcher} world={job.world_size} local={job.local_world_size} "
-            f"backend={spec.backend} sdpq={'on' if spec.sdpq is not None else 'off'} "
+            f"backend={spec.backend} model={spec.model.kind} sdpq={'on' if spec.sdpq is not None else 'off'} "
             f"layout={layout(job.world_size, int(spec.ranks_per_node))} "
             f"(ranks per node: {resolved.ranks_per_node_from})",
             flush=True,

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-3 training backend: `train(spec) -> RunResult` on an initialised process group.
 
-Builds the GPT (same init on every rank) and trains it with `sdpq.deepspeed.initialize` on
+Builds the spec's model (same init on every rank) and trains it with `sdpq.deepspeed.initialize` on
 `spec.deepspeed` (a --config file as written, with the flags' overrides: sdpq.train.settings) or,
 without one, a DeepSpeed config built from the spec (ZeRO-3, AdamW, gradient clipping and
 accumulation, bf16 if asked, `spec.sdpq` as the "sdpq" block). Without a block it is plain
@@ -27,7 +27,7 @@ from ..comm import timing
 from ..config import Config
 from ..launch.env import compute_device
 from .data import TokenData
-from .model import GPT
+from .model import model_from_config
 from .run import (
     TORCH_COLLECTIVES,
     RunResult,
@@ -254,7 +254,7 @@ def _train(
 ) -> RunResult:
     device = compute_device()
     torch.manual_seed(spec.seed)
-    model = GPT(spec.model)
+    model = model_from_config(spec.model)
     n_params = model.num_params()
     recorded = ds_config(spec, ds_overrides)
     config, counter = run_config(spec, recorded)

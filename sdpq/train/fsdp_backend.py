@@ -1,6 +1,6 @@
 """FSDP2 training backend: `train(spec) -> RunResult` on an initialised process group.
 
-Builds the GPT (same init on every rank), `fully_shard`s every block and the root, applies
+Builds the spec's model (same init on every rank), `fully_shard`s every block and the root, applies
 sdpq per `spec.sdpq` (None = plain FSDP2), trains with the spec's schedule (linear warm-up,
 cosine decay, AdamW, gradient clipping, gradient accumulation with
 `set_requires_gradient_sync(False)` on all but the last micro-step), saves / resumes a
@@ -31,7 +31,7 @@ from ..integrations import fsdp as sdpq_fsdp
 from ..launch.env import compute_device
 from ..optim.layout import local
 from .data import TokenData
-from .model import GPT
+from .model import GPT, Llama, model_from_config
 from .run import (
     TORCH_COLLECTIVES,
     RunResult,
@@ -79,13 +79,13 @@ def build_model(
     reshard_after_forward: bool = True,
     freeze: Iterable[str] = (),
     per_block: Callable[[nn.Module], nn.Module] | None = None,
-) -> GPT:
-    """The GPT, identical on every rank (seeded), bf16 if spec.bf16, parameters whose name starts
+) -> GPT | Llama:
+    """spec.model's model, identical on every rank (seeded), bf16 if spec.bf16, parameters named
     with a prefix in `freeze` frozen, sharded per block and at the root. per_block(block) runs on
     each block before it is sharded and returns what replaces it (activation checkpointing, then
     torch.compile, in a torchtitan-style order)."""
     torch.manual_seed(spec.seed)
-    model = GPT(spec.model)
+    model = model_from_config(spec.model)
     if spec.bf16:
         model = model.to(torch.bfloat16)
     freeze = tuple(freeze)

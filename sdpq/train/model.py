@@ -1,4 +1,6 @@
-"""A small byte-level GPT (pre-norm, causal SDPA, tied embeddings) for tests, demo and benchmarks.
+"""A small byte-level GPT (pre-norm, causal SDPA, tied embeddings) for tests, demo and benchmarks,
+and `model_from_config`, which builds it or the Llama-shaped model (sdpq/train/llama.py) from
+its config: what both training backends call.
 
 Small on purpose: several million parameters train on 4 CPU ranks in minutes. The embedding is
 tied to the output head because tied weights are a case integrations must handle (one parameter
@@ -7,17 +9,21 @@ used twice in a step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT"]
+from .llama import Llama, LlamaConfig
+
+__all__ = ["GPTConfig", "GPT", "ModelConfig", "MODELS", "model_from_config", "model_config_from_dict"]
 
 
 @dataclass(frozen=True)
 class GPTConfig:
+    kind: ClassVar[str] = "gpt"  # the --model name (LlamaConfig's is "llama")
     vocab_size: int = 256  # bytes
     seq_len: int = 128
     n_layer: int = 4
@@ -85,3 +91,28 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+ModelConfig = GPTConfig | LlamaConfig
+# The --model names (python -m sdpq.train, sdpq demo) and their configs.
+MODELS: dict[str, type[GPTConfig] | type[LlamaConfig]] = {"gpt": GPTConfig, "llama": LlamaConfig}
+
+
+def model_from_config(cfg: ModelConfig) -> GPT | Llama:
+    """The model `cfg` describes: GPT for a GPTConfig, Llama for a LlamaConfig (on the current
+    torch RNG: seed it for the same initial weights on every rank)."""
+    if isinstance(cfg, LlamaConfig):
+        return Llama(cfg)
+    if isinstance(cfg, GPTConfig):
+        return GPT(cfg)
+    raise TypeError(f"model_from_config: a {type(cfg).__name__}; allowed: GPTConfig, LlamaConfig")
+
+
+def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """The inverse of dataclasses.asdict(cfg): a LlamaConfig where `d` has a field only LlamaConfig
+    has (asdict writes them all), else a GPTConfig; a key neither has is an error naming it."""
+    gpt, llama = {f.name for f in fields(GPTConfig)}, {f.name for f in fields(LlamaConfig)}
+    unknown = sorted(set(d) - gpt - llama)
+    if unknown:
+        raise ValueError(f"model config: unknown key(s) {unknown}; allowed: {sorted(gpt | llama)}")
+    return LlamaConfig(**d) if set(d) - gpt else GPTConfig(**d)

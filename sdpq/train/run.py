@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from .model import GPTConfig
+from .model import GPTConfig, ModelConfig, model_config_from_dict
 
 __all__ = [
     "TORCH_COLLECTIVES",
@@ -41,7 +41,7 @@ MIXED_PRECISION = (None, "bf16")
 @dataclass(frozen=True)
 class RunSpec:
     backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelConfig = field(default_factory=GPTConfig)  # GPTConfig or LlamaConfig (sdpq.train.model)
     sdpq: dict[str, Any] | None = None  # the "sdpq" block; None = the unquantized baseline
     steps: int = 200
     micro_batch: int = 4  # sequences per rank per micro-step
@@ -89,7 +89,7 @@ class RunSpec:
         """The inverse of dataclasses.asdict(spec) after a JSON round trip (the model config as
         a dict, betas as a list)."""
         d = dict(d)
-        d["model"] = GPTConfig(**d["model"])
+        d["model"] = model_config_from_dict(d["model"])
         if "betas" in d:
             d["betas"] = tuple(d["betas"])
         return cls(**d)

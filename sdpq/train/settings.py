@@ -30,10 +30,19 @@ from typing import Any
 
 from ..comm.topology import LOCAL_SIZE_VARIABLES, ranks_per_node_from_env
 from ..config import Config, ConfigError
-from .model import GPTConfig
+from .model import MODELS, ModelConfig
 from .run import RunSpec
 
-__all__ = ["EXACT", "Override", "Resolved", "load_config", "resolve", "resolve_ranks_per_node", "layout"]
+__all__ = [
+    "EXACT",
+    "Override",
+    "Resolved",
+    "load_config",
+    "model_config",
+    "resolve",
+    "resolve_ranks_per_node",
+    "layout",
+]
 
 # sdpq's exact collectives with the framework's own optimizer: bitwise the plain framework
 # (tests/integrations assert it), and counted by the same statistics as sdpq's own, so a run
@@ -229,7 +238,7 @@ def resolve(args: Any, env: Mapping[str, str] | None = None) -> Resolved:
             values.setdefault(k, _ADAMW_DEFAULTS[k])
     spec = RunSpec(
         backend=args.backend,
-        model=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model),
+        model=model_config(args),
         sdpq=block,
         steps=args.steps,
         warmup=args.warmup,
@@ -247,6 +256,19 @@ def resolve(args: Any, env: Mapping[str, str] | None = None) -> Resolved:
         **values,
     )
     return Resolved(spec, tuple(overrides), args.config, source)
+
+
+def model_config(args: Any) -> ModelConfig:
+    """The config of the model --model names (sdpq.train.model.MODELS), shaped by the model flags
+    (flags only: a --config file holds no model); --n-kv-head is the Llama model's."""
+    if args.model not in MODELS:
+        raise ConfigError(f"--model: {args.model!r}; allowed: {', '.join(map(repr, MODELS))}")
+    dims: dict[str, Any] = dict(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model)
+    if args.n_kv_head is not None:
+        if args.model != "llama":
+            raise ConfigError(f"--n-kv-head: grouped-query attention is an option of --model llama, not {args.model!r}")
+        dims["n_kv_head"] = args.n_kv_head
+    return MODELS[args.model](**dims)
 
 
 def _optimizer_from_file(ds: dict | None) -> dict[str, Any]:
