@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -40,10 +41,29 @@ from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
 from .agreement import check_agreement
 from .device_flag import DeviceFlag
+from .segments import BucketLayout, Segment, aligned_layout
 from .stats import CommStats, Recorder
 from .topology import Topology
 
 __all__ = ["WeightGather", "ReferenceMismatchWarning"]
+
+
+def _aligned_spec(spec: QuantSpec, segments: Sequence[Segment], shard_numel: int) -> tuple[QuantSpec, BucketLayout]:
+    """Every group inside one parameter: each parameter's run of the shard starts a fresh group.
+    Of the group sizes from the configured one down to 32, the one that sends the fewest bytes
+    (small parameters, norms and biases, waste less padding on smaller groups; a smaller group
+    is never less precise)."""
+    best = None
+    g = spec.group_size
+    while g >= 32:
+        placement, _ = aligned_layout([segments], shard_numel, g, 1, 1)
+        s = dataclasses.replace(spec, group_size=g)
+        cost = s.wire_bytes(placement.padded_chunk)
+        if best is None or cost < best[0]:
+            best = (cost, s, placement)
+        g //= 2
+    assert best is not None
+    return best[1], best[2]
 
 
 class ReferenceMismatchWarning(RuntimeWarning):
@@ -79,6 +99,7 @@ class WeightGather:
         reference_dtype: torch.dtype = torch.float32,
         stats: StatsConfig | None = None,
         record_to: CommStats | None = None,
+        segments: Sequence[Segment] | None = None,
     ):
         if numel < 1:
             raise ValueError(f"WeightGather: numel must be positive, got {numel}")
@@ -100,6 +121,9 @@ class WeightGather:
             rounding=c.rounding,
             scale_dtype=SCALE_DTYPES[c.scale_dtype],
         )
+        self.placement: BucketLayout | None = None  # where the shard's parameters lie on the wire
+        if segments is not None and c.mode != "exact":
+            self.spec, self.placement = _aligned_spec(self.spec, segments, self.shard_numel)
         check_agreement(
             "WeightGather",
             {
@@ -108,6 +132,7 @@ class WeightGather:
                 "dtype": str(dtype),
                 "reference_dtype": str(reference_dtype),
                 "layout": topology.layout,
+                "placement": None if self.placement is None else (self.spec.group_size, self.placement.runs),
             },
             topology.world_group,
         )
@@ -270,9 +295,9 @@ class WeightGather:
                 self._verify()
             if not exact:
                 # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
-                ref, gen = self._ref[topo.node].view(1, -1), self._generator(w.device)
+                ref, gen = self._ref[topo.node], self._generator(w.device)
                 with timing.span("weights.encode"):
-                    row, _, _ = encode_rows(w.view(1, -1), self.spec, ref=ref, generator=gen)
+                    row, _, _ = encode_rows(self._placed(w), self.spec, ref=self._placed(ref), generator=gen)
                 return row.view(-1)
             self._exchange_exact(w, wire_dtype)
         self._refresh_done(w)
@@ -282,11 +307,14 @@ class WeightGather:
         """Applies the gathered rows [nodes, row bytes] of every holder of R_l."""
         with timing.span("weights.decode"):
             # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
-            decode_rows(rows, self.spec, self.shard_numel, self._ref, add=True)
+            if self.placement is None:
+                decode_rows(rows, self.spec, self.shard_numel, self._ref, add=True)
+            else:
+                self._ref.add_(self._decoded(rows).view(self._ref.shape))
             # An inf/nan weight poisons R_l (its group decodes to NaN: the gathered weights show
             # it); the refresh after the next mark is exact, so that the reference recovers once
             # the weights are finite again.
-            self._nonfinite.raise_if(wire_nonfinite(rows, self.spec, self.shard_numel))
+            self._nonfinite.raise_if(wire_nonfinite(rows, self.spec, self._wire_numel))
         self._record_refresh(rows.shape[1])
         self._refresh_done(w)
 
@@ -297,6 +325,23 @@ class WeightGather:
             self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra", relative_error(own, w))
         self.version += 1
         self.dirty = False
+
+    @property
+    def _wire_numel(self) -> int:
+        """Elements of a shard on the wire: with a placement, its parameters on whole groups."""
+        return self.shard_numel if self.placement is None else self.placement.padded_chunk
+
+    def _placed(self, shard: torch.Tensor) -> torch.Tensor:
+        """A shard as the one row the encoder reads (its parameters placed on whole groups)."""
+        if self.placement is None:
+            return shard.view(1, -1)
+        return self.placement.pack(shard.reshape(-1), self.shard_numel)
+
+    def _decoded(self, rows: torch.Tensor) -> torch.Tensor:
+        """Gathered wire rows -> fp32 [rows, shard_numel] (their placement undone)."""
+        n = self._wire_numel
+        full = decode_rows(rows, self.spec, n, torch.empty((rows.shape[0], n), dtype=torch.float32, device=rows.device))
+        return full if self.placement is None else self.placement.unpack(full).view(rows.shape[0], -1)
 
     @property
     def _ref(self) -> torch.Tensor:
@@ -401,17 +446,12 @@ class WeightGather:
     def _gather_direct(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         topo = self.topology
         with timing.span("weights.encode"):
-            row, _, _ = encode_rows(w.view(1, -1), self.spec, generator=self._generator(w.device))
+            row, _, _ = encode_rows(self._placed(w), self.spec, generator=self._generator(w.device))
         with timing.span("comm.weights"):
             rows, _ = all_gather_rows(row.view(-1), topo.world_group)
         with timing.span("weights.decode"):
             # Note: every rank decodes every shard from the same bytes, its own included.
-            full = decode_rows(
-                rows,
-                self.spec,
-                self.shard_numel,
-                torch.empty((rows.shape[0], self.shard_numel), dtype=torch.float32, device=w.device),
-            )
+            full = self._decoded(rows)
         self._record_world(row.numel(), dtype.itemsize)
         if self._rec.sample_due(self.calls):
             own = full[topo.rank]

@@ -54,6 +54,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..comm import CommStats, Topology, WeightGather
 from ..comm.agreement import check_agreement
+from ..comm.segments import sharded_segments
 from ..comm.stats import process_stats
 from ..config import Config
 from . import _fsdp_internals as fsdp_internals
@@ -224,7 +225,10 @@ def _module_comms(
     dtype = fsdp_internals.param_dtype(pg)
     device = fsdp_internals.device(pg)
     N = topo.world_size
-    wg = WeightGather(gather_in * N, topo, cfg.weights, dtype=dtype, device=device, stats=cfg.stats, record_to=stats)
+    # Every quantization group inside one parameter's shard (the shards lie one after another).
+    segments = sharded_segments([(n, 0) for n, _ in numels], 1)[0]
+    kw: dict[str, Any] = {"dtype": dtype, "device": device, "stats": cfg.stats, "record_to": stats}
+    wg = WeightGather(gather_in * N, topo, cfg.weights, segments=segments, **kw)
     comms = ModuleComms(
         fqn=name,
         module=module,
