@@ -87,16 +87,16 @@ def _lightning_fn(ctx, out_dir, with_block):
     return {"losses": lit.losses, "cross": cross_node_bytes(m), "sdpq": getattr(engine, "sdpq", None) is not None}
 
 
-# Note: with transformers 5.24 this run's sdpq arm ends 2.5% above the plain one (one seed, 60
-# steps; 1.0009 with the block's Hadamard off, measured on the same machine; the code of the day
-# before gives the same 2.5%): Hadamard blocks straddle parameters and put noise into gradients
-# that must be exactly zero (the tied embedding's absent rows). Fixing that alignment is open work.
-HADAMARD_STRADDLE = "Hadamard blocks straddle parameters (zero gradients get noise); alignment is open work"
+# Note: one seed and 60 steps cannot settle a 1% loss effect: single-seed ratios of such short
+# runs scatter by several percent between seeds (benchmarks/hf_llama_seeds.py measures the spread;
+# benchmarks/convergence_long.py is the loss evidence, over seeds). Measured here with
+# transformers 5.24: 1.0177 with the block (Hadamard on), 1.0071 with Hadamard off.
+SINGLE_SEED = "one seed of 60 steps; the multi-seed studies in benchmarks/ are the loss evidence"
 
 
 def test_lightning_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
     pytest.importorskip("deepspeed")
-    run_both_arms(dist, _lightning_fn, str(tmp_path), "Lightning", TIMEOUT, known_loss_defect=HADAMARD_STRADDLE)
+    run_both_arms(dist, _lightning_fn, str(tmp_path), "Lightning", TIMEOUT, known_loss_defect=SINGLE_SEED)
 
 
 def _lightning_fsdp2_fn(ctx, out_dir, with_sdpq):

@@ -79,8 +79,9 @@ FSDP_LAYOUTS = [(2, 2), (4, 1), (1, 4), (3, 2)]
 @pytest.mark.parametrize("d", [192, 320])
 @pytest.mark.parametrize("nodes,rpn", FSDP_LAYOUTS, ids=[f"{n}x{l}" for n, l in FSDP_LAYOUTS])
 def test_fsdp2_absent_embedding_rows_stay_zero(dist, nodes, rpn, d):
-    plain = dist.run(_fsdp, nodes * rpn, rpn, d, None, False, timeout=120)
-    assert sum(n for n, _ in plain) == 0 and sum(a for _, a in plain) > 0  # what plain FSDP2 gives
+    if (nodes, rpn, d) == (2, 2, 192):  # once: what plain FSDP2 gives (the property asserted below)
+        plain = dist.run(_fsdp, nodes * rpn, rpn, d, None, False, timeout=120)
+        assert sum(n for n, _ in plain) == 0 and sum(a for _, a in plain) > 0
     ours = dist.run(_fsdp, nodes * rpn, rpn, d, {}, False, timeout=120)  # the default block
     assert [n for n, _ in ours] == [0] * (nodes * rpn)
 
@@ -125,8 +126,9 @@ def _zero3(ctx, d: int, block: dict):
 @pytest.mark.parametrize("nodes,rpn", [(2, 2), (3, 2)], ids=["2x2", "3x2"])
 def test_zero3_absent_embedding_rows_stay_zero(dist, nodes, rpn):
     pytest.importorskip("deepspeed")
-    plain = dist.run(_zero3, nodes * rpn, rpn, 320, None, timeout=180)
-    assert sum(n for n, _ in plain) == 0 and sum(a for _, a in plain) > 0
+    if nodes == 2:  # once: what plain ZeRO-3 gives
+        plain = dist.run(_zero3, nodes * rpn, rpn, 320, None, timeout=180)
+        assert sum(n for n, _ in plain) == 0 and sum(a for _, a in plain) > 0
     ours = dist.run(_zero3, nodes * rpn, rpn, 320, {"weights": {"mode": "diff"}, "optimizer": {"enabled": False}},
                     timeout=180)
     assert [n for n, _ in ours] == [0] * (nodes * rpn)
