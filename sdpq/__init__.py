@@ -10,7 +10,7 @@ import importlib
 
 from ._version import __version__
 from .config import Config, ConfigError
-from .integrations import _ds_hook
+from .integrations import install_deepspeed_hook
 
 __all__ = ["Config", "ConfigError", "stats", "quant", "comm", "optim", "fsdp", "deepspeed", "hf", "__version__"]
 
@@ -36,4 +36,4 @@ def __getattr__(name: str):
 
 # Note: from here on a DeepSpeed config with an "sdpq" block gets sdpq in every caller of
 # deepspeed.initialize (Hugging Face Trainer, Accelerate, Lightning); deepspeed is not imported.
-_ds_hook.install()
+install_deepspeed_hook()

@@ -33,8 +33,8 @@ on the thread it runs on.
 (a CPU generator's draw, which a CUDA run never makes): CPU tests cannot tell it from a device
 read, so the code says so where it makes one.
 
-Where: here, below every layer, because the math layer (`sdpq.quant.fused`) makes such a read;
-the hooks and collectives import it as `sdpq.comm.hotpath`.
+Where: here, below every layer, because the kernels' dispatch (`sdpq.kernels.dispatch`) makes
+such a read; the hooks and collectives import it as `sdpq.comm.hotpath`.
 
 What it does not see: syncs inside C++ operators (`torch.nonzero`, boolean-mask indexing).
 Printing a tensor reads its values from Python and is seen.

@@ -61,7 +61,8 @@ def _run_config(args: argparse.Namespace) -> int:
         if cfg is None:
             print(f'{args.check}: no "sdpq" block (plain DeepSpeed)')
             return 0
-        from .integrations._ds_config import IncompatibleConfigError, check_config
+        from .integrations import IncompatibleConfigError
+        from .integrations import check_deepspeed_config as check_config
 
         try:  # the checks sdpq.deepspeed.initialize makes against the rest of the file
             with open(args.check) as f:

@@ -10,13 +10,9 @@ process). ``sdpq.stats.of(target)`` is the ``CommStats`` itself; ``reset(target)
 
 from __future__ import annotations
 
-from .comm.stats import CommStats, process_stats
+from .comm.stats import CommStats, holder_stats, process_stats
 
 __all__ = ["CommStats", "of", "summary", "reset"]
-
-# Where an integration keeps its CommStats: DeepSpeed engines carry `.sdpq` (the adapter), FSDP2
-# models the record that sdpq.fsdp.apply leaves on them; both expose `.stats`.
-_HOLDERS = ("sdpq", "_sdpq_fsdp")  # engine.sdpq; ROOT_ATTR of integrations/_fsdp_hooks.py
 
 
 def of(target=None) -> CommStats:
@@ -25,10 +21,9 @@ def of(target=None) -> CommStats:
         return process_stats()
     if isinstance(target, CommStats):
         return target
-    for attr in _HOLDERS:
-        stats = getattr(getattr(target, attr, None), "stats", None)
-        if isinstance(stats, CommStats):
-            return stats
+    stats = holder_stats(target)  # where the integration that built `target` keeps them
+    if stats is not None:
+        return stats
     raise TypeError(
         f"sdpq.stats: {type(target).__name__} has no sdpq statistics; expected an FSDP2 model "
         "after sdpq.fsdp.apply, a DeepSpeed engine from sdpq.deepspeed.initialize, a CommStats, "

@@ -209,8 +209,7 @@ def _gradient_records(s: _Setup, numel: int, gen) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from ..comm import CommStats, GradReduceScatter
-    from ..comm._exchange import reduce_scatter_flat
+    from ..comm import CommStats, GradReduceScatter, reduce_scatter_flat
     from ..config import GradientsConfig
     from ..quant import relative_error
 
@@ -241,8 +240,7 @@ def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from ..comm import CommStats, WeightGather
-    from ..comm._exchange import _all_gather_single, all_gather_rows
+    from ..comm import CommStats, WeightGather, all_gather_flat, all_gather_rows
     from ..config import WeightsConfig
     from ..quant import relative_error
 
@@ -252,7 +250,7 @@ def _weight_records(s: _Setup, numel: int, gen) -> list[dict]:
         walk.append(walk[-1] + 1e-3 * torch.randn(C, generator=gen))
     shard = walk[-1].to(s.dtype)
     bucket = torch.empty(numel, dtype=s.dtype)
-    baseline = functools.partial(_all_gather_single, bucket, shard, group=dist.group.WORLD)
+    baseline = functools.partial(all_gather_flat, bucket, shard, dist.group.WORLD)
     true = all_gather_rows(shard, dist.group.WORLD)[0].reshape(-1).float()
     out = []
     for mode in ("diff", "direct"):

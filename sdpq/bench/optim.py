@@ -28,9 +28,8 @@ import sys
 
 import torch
 
-from ..kernels import adamw_ops
+from ..kernels import adamw_ops, uses_triton
 from ..optim import AdamW, memory_report
-from ..quant.fused import uses_kernels
 from .report import default_device, paired_seconds, seconds_per_call
 
 COLUMNS = [
@@ -173,7 +172,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 allocator=allocator,
                 breakdown=rep["per_param"],
             )
-            kernel = uses_kernels(params[0]) or (device.type == "cpu" and adamw_ops.cpu_available())
+            kernel = uses_triton(params[0]) or (device.type == "cpu" and adamw_ops.cpu_available())
             if name == "fp8+mcf" and kernel and args.v_format == "e4m3":
                 rec.update(_kernel_figures(opt, rep["numel"], step_s, args.min_run_time, device))
             records.append(rec)

@@ -1,4 +1,4 @@
-"""The collectives' fused hot paths (``sdpq.quant.fused``): kernel vs PyTorch vs a copy.
+"""The collectives' fused hot paths (``sdpq.kernels``): kernel vs PyTorch vs a copy.
 
 Each op is timed twice when a kernel is available (C++ on CPU, Triton on CUDA): as the fused
 kernel and as the PyTorch reference composition. GB/s here counts the op's minimum memory traffic (every
@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 import torch
 
+from .. import kernels as F
 from ..quant import QuantSpec
-from ..quant import fused as F
+from ..quant import rows as R
 
 Op = tuple[Callable[[], object], Callable[[], object], int]  # (fused call, reference call, traffic bytes)
 
@@ -29,40 +30,40 @@ def _ops(n: int, device: torch.device) -> dict[str, Op]:
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(1, n, device=device, generator=g)
     ref = w + 0.01 * torch.randn(1, n, device=device, generator=g)
-    wire_w = F._encode_rows_ref(w, W_SPEC, ref, 1, None, None, None)[0]
+    wire_w = R.encode_rows_ref(w, W_SPEC, ref, 1, None, None, None)[0]
     ops: dict[str, Op] = {}
     ops["weights_diff_encode_int4"] = (
         lambda: F.encode_rows(w, W_SPEC, ref=ref),
-        lambda: F._encode_rows_ref(w, W_SPEC, ref, 1, None, None, None),
+        lambda: R.encode_rows_ref(w, W_SPEC, ref, 1, None, None, None),
         8 * n + W_SPEC.wire_bytes(n),
     )
     ops["weights_decode_add_int4"] = (
         lambda: F.decode_rows(wire_w, W_SPEC, n, ref, add=True),
-        lambda: F._decode_rows_ref(wire_w, W_SPEC, n, ref, True),
+        lambda: R.decode_rows_ref(wire_w, W_SPEC, n, ref, True),
         W_SPEC.wire_bytes(n) + 8 * n,
     )
     # Gradient stages of a 2 nodes x 2 layout: 4 chunk rows of n/4, segmented into 2 wire rows.
     X = torch.randn(4, n // 4, device=device, generator=g)
     ops["grads_hadamard_encode_int8"] = (
         lambda: F.encode_rows(X, INTRA, segments=2, hadamard=HAD, own_row=0),
-        lambda: F._encode_rows_ref(X, INTRA, None, 2, HAD, 0, None),
+        lambda: R.encode_rows_ref(X, INTRA, None, 2, HAD, 0, None),
         4 * n + INTRA.wire_bytes(n) + 2 * n,
     )
-    recv = F._encode_rows_ref(X, INTRA, None, 2, HAD, 0, None)[0]  # [2, wire(n/2)]
+    recv = R.encode_rows_ref(X, INTRA, None, 2, HAD, 0, None)[0]  # [2, wire(n/2)]
     own = torch.randn(n // 2, device=device, generator=g)
     no = torch.zeros((), dtype=torch.bool, device=device)
     ops["grads_reduce_requantize_int8_int4"] = (
         lambda: F.reduce_rows(recv, INTRA, n // 2, own, 0, no, encode_spec=INTER, encode_numel=n // 4, own_seg=0),
-        lambda: F._reduce_rows_ref(
+        lambda: R.reduce_rows_ref(
             recv, INTRA, n // 2, own, 0, torch.zeros(1, device=device), None, INTER, n // 4, 0, None
         ),
         INTRA.wire_bytes(n // 2) + 2 * n + INTER.wire_bytes(n // 2) + n,
     )
-    recv2 = F._encode_rows_ref(X[:2], INTER, None, 1, None, None, None)[0]  # [2, wire(n/4)]
+    recv2 = R.encode_rows_ref(X[:2], INTER, None, 1, None, None, None)[0]  # [2, wire(n/4)]
     own2 = torch.randn(n // 4, device=device, generator=g)
     ops["grads_reduce_inverse_hadamard_int4"] = (
         lambda: F.reduce_rows(recv2, INTER, n // 4, own2, 0, no, hadamard=HAD),
-        lambda: F._reduce_rows_ref(
+        lambda: R.reduce_rows_ref(
             recv2, INTER, n // 4, own2, 0, torch.zeros(1, device=device), HAD, None, 0, -1, None
         ),
         INTER.wire_bytes(n // 4) + n + n,
@@ -77,7 +78,7 @@ def run(
     only: list[str] | None = None,
 ) -> list[dict]:
     probe = torch.empty(0, device=device)
-    kernel = "triton" if F.uses_kernels(probe) else "cpp" if F.uses_native(probe) else None
+    kernel = "triton" if F.uses_triton(probe) else "cpp" if F.uses_cpp(probe) else None
     records = []
     for n in sizes:
         ops = _ops(n, device)

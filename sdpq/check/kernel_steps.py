@@ -16,9 +16,11 @@ import subprocess
 
 import torch
 
-from ..quant.fused import _decode_rows_ref, _encode_rows_ref, _reduce_rows_ref
 from ..quant.groupwise import QuantSpec
 from ..quant.hadamard import signs
+from ..quant.rows import decode_rows_ref as _decode_rows_ref
+from ..quant.rows import encode_rows_ref as _encode_rows_ref
+from ..quant.rows import reduce_rows_ref as _reduce_rows_ref
 from .steps import Checks, Ctx
 from .timing import median_time
 

@@ -53,7 +53,7 @@ def _use_kernels_for(arm_device: str, rehearse: bool) -> None:
     C++ kernels (as on the GPU machine, where CPU tensors take the C++ path anyway)."""
     if not rehearse:
         return
-    from ..quant import fused
+    from ..kernels import dispatch as fused
 
     os.environ["SDPQ_TRITON"] = "interpret" if arm_device == "device" else "auto"
     fused._triton_mode.cache_clear()

@@ -6,11 +6,14 @@
 - `GradReduceScatter(numel, topology, GradientsConfig)`: "full bucket -> my chunk", SUM.
 - `GradAllReduce(numel, topology, GradientsConfig)`: "bucket -> the sum on every rank", bitwise
   the same everywhere (HSDP's replicate dimension).
+- `all_gather_rows`, `all_gather_flat`, `reduce_scatter_flat`, `group_device`: the plain
+  (unquantized) collectives sdpq's own run on, for baselines and small bookkeeping exchanges.
 - `stats`: bytes per link class and path, sampled errors (`CommStats`; read them through
   `sdpq.stats`).
 """
 
 from . import stats as stats  # the implementation module; read the figures through sdpq.stats
+from ._exchange import all_gather_flat, all_gather_rows, group_device, reduce_scatter_flat
 from .allreduce import GradAllReduce
 from .grads import GradReduceScatter
 from .stats import CommStats
@@ -27,4 +30,8 @@ __all__ = [
     "GradReduceScatter",
     "GradAllReduce",
     "CommStats",
+    "all_gather_rows",
+    "all_gather_flat",
+    "reduce_scatter_flat",
+    "group_device",
 ]

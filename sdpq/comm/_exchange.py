@@ -11,7 +11,14 @@ import torch.distributed as dist
 
 from .device import comm_device
 
-__all__ = ["all_gather_rows", "all_to_all_rows", "group_device", "group_size", "reduce_scatter_flat"]
+__all__ = [
+    "all_gather_flat",
+    "all_gather_rows",
+    "all_to_all_rows",
+    "group_device",
+    "group_size",
+    "reduce_scatter_flat",
+]
 
 # torch >= 2.13 renamed the flat collectives (the old names warn); older releases lack the new.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -37,6 +44,11 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
         out.copy_(host)
         return
     _reduce_scatter_single(out, inp, group=group)
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """Every member's flat `inp` into `out`, in group-rank order (the plain, unquantized collective)."""
+    _all_gather_single(out, inp, group=group)
 
 
 def group_size(group) -> int:

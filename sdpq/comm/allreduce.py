@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import GradientsConfig, StatsConfig
-from ..quant.fused import decode_rows, decode_rows_inverse_hadamard, encode_rows
+from ..kernels import decode_rows, decode_rows_inverse_hadamard, encode_rows
 from . import timing
 from ._exchange import all_gather_rows
 from .grads import GradReduceScatter

@@ -31,11 +31,12 @@ from typing import Any, NamedTuple
 import torch
 
 from ..config import GradientsConfig, StatsConfig
+from ..kernels import decode_rows, encode_rows, reduce_rows
 from ..quant import QuantSpec
-from ..quant.fused import decode_rows, encode_rows, poison_scales_, reduce_rows
 from ..quant.groupwise import SCALE_DTYPES, relative_error
 from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
+from ..quant.rows import poison_scales_
 from . import timing
 from ._exchange import all_to_all_rows, reduce_scatter_flat
 from ._rng import generator_state, restore_generator

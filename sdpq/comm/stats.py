@@ -15,20 +15,33 @@ are (`as_dict`, `summary`, `table`), the one place statistics synchronise.
 Counters are per process (per rank). Every collective records into one CommStats: the
 process-wide one (`process_stats()`) unless given another; the integrations give each model /
 engine its own, whose `parent` is the process-wide one, so two models in one process keep
-apart and the process-wide figures still sum everything.
+apart and the process-wide figures still sum everything. Each integration registers where it
+keeps a model's / engine's counters (`register_holder`); `holder_stats` asks them.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import StatsConfig
 
-__all__ = ["CommStats", "Recorder", "LinkCounters", "process_stats", "summary", "reset", "PATHS", "LINKS"]
+__all__ = [
+    "CommStats",
+    "Recorder",
+    "LinkCounters",
+    "process_stats",
+    "summary",
+    "reset",
+    "register_holder",
+    "holder_stats",
+    "PATHS",
+    "LINKS",
+]
 
 PATHS = ("weights", "gradients")
 LINKS = ("intra", "inter")
@@ -241,6 +254,28 @@ def summary() -> tuple[str, dict]:
 
 def reset() -> None:
     _DEFAULT.reset()
+
+
+# Note: the collectives know no framework: each integration registers, when it is imported, a
+# function that finds the counters it left on a target (an FSDP2 model, a DeepSpeed engine). A
+# target exists only after its integration ran, so its finder is registered by then.
+_HOLDERS: list[Callable[[object], CommStats | None]] = []
+
+
+def register_holder(find: Callable[[object], CommStats | None]) -> None:
+    """Register `find(target) -> CommStats | None`: the counters an integration keeps on `target`
+    (None: not one of its targets). Registering the same function twice keeps one."""
+    if find not in _HOLDERS:
+        _HOLDERS.append(find)
+
+
+def holder_stats(target: object) -> CommStats | None:
+    """The counters a registered integration keeps on `target`, or None."""
+    for find in _HOLDERS:
+        stats = find(target)
+        if isinstance(stats, CommStats):
+            return stats
+    return None
 
 
 def sum_over_ranks(per_rank: list[dict]) -> dict:

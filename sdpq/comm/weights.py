@@ -33,9 +33,10 @@ from collections.abc import Sequence
 import torch
 
 from ..config import StatsConfig, WeightsConfig
+from ..kernels import decode_rows, encode_rows
 from ..quant import QuantSpec
-from ..quant.fused import decode_rows, encode_rows, wire_nonfinite
 from ..quant.groupwise import SCALE_DTYPES, relative_error
+from ..quant.rows import wire_nonfinite
 from . import timing
 from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator

@@ -5,7 +5,7 @@
 // through a small fp32 buffer that stays in L1: difference, Hadamard butterflies, group absmax,
 // division, rounding and packing of a tile all happen before the next tile is loaded.
 //
-// The arithmetic is that of the PyTorch reference (sdpq/quant/fused.py and the modules it
+// The arithmetic is that of the PyTorch reference (sdpq/quant/rows.py and the modules it
 // calls) operation for operation, in fp32 and in the same order, so nearest rounding is bitwise
 // equal to it (the build uses -ffp-contract=off: no fused multiply-adds the reference lacks,
 // the one written out, x * (+-1) + p, rounds as the add it replaces):

@@ -58,7 +58,7 @@ import torch
 from ..comm import CommStats, GradReduceScatter, Topology, WeightGather, gather_coalesced
 from ..comm.agreement import agreement_batch, check_agreement
 from ..comm.hotpath import hot_path
-from ..comm.stats import process_stats
+from ..comm.stats import process_stats, register_holder
 from ..config import Config
 from ._ds_checkpoint import STATE_FILE, CheckpointMixin
 from ._ds_grads import GradientsMixin, with_suppress
@@ -380,3 +380,12 @@ def _unalias(z, i: int, master, compute, ds_id, requires_grad: bool) -> None:
     else:
         compute.ds_id = ds_id
     compute.requires_grad = requires_grad
+
+
+def _engine_stats(engine: object) -> CommStats | None:
+    """sdpq.stats.of(engine) for an engine from sdpq.deepspeed.initialize (``engine.sdpq``)."""
+    adapter = getattr(engine, "sdpq", None)
+    return adapter.stats if isinstance(adapter, DeepSpeedAdapter) else None
+
+
+register_holder(_engine_stats)

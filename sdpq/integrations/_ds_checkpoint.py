@@ -20,7 +20,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..comm._exchange import all_gather_rows
+from ..comm import all_gather_rows
 from ._ds_state import AdapterState
 
 __all__ = ["CheckpointMixin", "STATE_FILE"]

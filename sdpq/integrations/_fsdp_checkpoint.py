@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import GradReduceScatter, WeightGather
-from ..comm._exchange import group_device
+from ..comm import GradReduceScatter, WeightGather, group_device
 from ._fsdp_hooks import ModuleComms, applied
 
 __all__ = ["state_dict", "load_state_dict", "ResumeLayoutWarning"]

@@ -25,6 +25,7 @@ from torch import nn
 from ..comm import CommStats, GradAllReduce, GradReduceScatter, Topology, TopologyError, WeightGather
 from ..comm.hotpath import hot_path
 from ..comm.segments import sharded_segments
+from ..comm.stats import register_holder
 from ..config import Config
 from . import _fsdp_internals as fsdp_internals
 from ._fsdp_internals import AllGather, ReduceScatter
@@ -274,6 +275,15 @@ class Applied:
     # Set by state_dict(model, checkpoint_id=...) when that checkpoint holds sdpq state of another
     # layout: the next load_state_dict rebuilds it instead of reading it.
     relayout_from: str | None = None
+
+
+def _model_stats(model: object) -> CommStats | None:
+    """sdpq.stats.of(model) for an FSDP2 model after sdpq.fsdp.apply (registered below)."""
+    state = getattr(model, ROOT_ATTR, None)
+    return state.stats if isinstance(state, Applied) else None
+
+
+register_holder(_model_stats)
 
 
 def applied(model: nn.Module) -> Applied:

@@ -5,9 +5,10 @@
     CUDA   Triton (``sdpq.kernels.codec``, imported at the first CUDA call)
     Meta   shape functions, so the operators trace under ``torch.compile``
 
-The PyTorch composition in ``sdpq.quant.fused`` stays the reference and the path taken when
-neither kernel can run. Arguments are plain ints and bools (a ``QuantSpec`` is unpacked by the
-caller) so the schemas are ordinary TorchScript types. Stochastic rounding takes an int
+The PyTorch composition in ``sdpq.quant.rows`` stays the reference and the path that
+``sdpq.kernels.dispatch`` takes when neither kernel can run. Arguments are plain ints and bools
+(a ``QuantSpec`` is unpacked by the caller) so the schemas are ordinary TorchScript types.
+Stochastic rounding takes an int
 ``seed``; each kernel draws its noise from a counter-based stream (the element's position),
 so results do not depend on the number of threads.
 """
@@ -19,9 +20,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..quant.groupwise import QuantSpec
 from . import native
 
-__all__ = ["cpu_available", "wire_bytes"]
+__all__ = ["cpu_available"]
 
 _LIB = torch.library.Library("sdpq", "FRAGMENT")  # noqa: TOR901 (the codec's share of the namespace)
 _LIB.define(
@@ -37,11 +39,6 @@ _LIB.define(
     "bool enc_scale_bf16, int enc_numel, int own_seg, int seed) -> (Tensor out, Tensor own_out, "
     "Tensor nonfinite)"
 )
-
-
-def wire_bytes(numel: int, bits: int, group_size: int, scale_bf16: bool) -> int:
-    groups = -(-numel // group_size)
-    return groups * group_size * bits // 8 + groups * (2 if scale_bf16 else 4)
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,6 +86,15 @@ class ReduceArgs(NamedTuple):
     seed: int
 
 
+def _spec(bits: int, group_size: int, stochastic: bool, scale_bf16: bool) -> QuantSpec:
+    return QuantSpec(
+        bits=bits,
+        group_size=group_size,
+        rounding="stochastic" if stochastic else "nearest",
+        scale_dtype=torch.bfloat16 if scale_bf16 else torch.float32,
+    )
+
+
 # ---------------------------------------------------------------------------- fake (Meta)
 
 
@@ -96,7 +102,7 @@ class ReduceArgs(NamedTuple):
 def _encode_fake(*args):
     a = EncodeArgs(*args)
     R, n = a.x.shape
-    wire_row = wire_bytes(a.segments * n, a.bits, a.group_size, a.scale_bf16)
+    wire_row = _spec(a.bits, a.group_size, a.stochastic, a.scale_bf16).wire_bytes(a.segments * n)
     wire = a.x.new_empty((R // a.segments, wire_row), dtype=torch.uint8)
     own = a.x.new_empty((a.segments, n) if a.own_row >= 0 else (0,), dtype=torch.float32)
     return wire, own, a.x.new_empty((), dtype=torch.bool)
@@ -114,25 +120,14 @@ def _reduce_fake(*args):
     if a.enc_bits == 0:
         return a.buf.new_empty((a.numel,), dtype=torch.float32), a.buf.new_empty((0,), dtype=torch.float32), flag
     rows = a.numel // a.enc_numel
-    wire_row = wire_bytes(a.enc_numel, a.enc_bits, a.enc_group_size, a.enc_scale_bf16)
+    wire_row = _spec(a.enc_bits, a.enc_group_size, a.enc_stochastic, a.enc_scale_bf16).wire_bytes(a.enc_numel)
     wire = a.buf.new_empty((rows, wire_row), dtype=torch.uint8)
     return wire, a.buf.new_empty((a.enc_numel,), dtype=torch.float32), flag
 
 
 # ---------------------------------------------------------------------------- Triton (CUDA)
-# The operators' CUDA kernels; sdpq.quant.fused also calls them on CPU tensors in the
+# The operators' CUDA kernels; sdpq.kernels.dispatch also calls them on CPU tensors in the
 # interpreter test mode (SDPQ_TRITON=interpret).
-
-
-def _spec(bits: int, group_size: int, stochastic: bool, scale_bf16: bool):
-    from ..quant.groupwise import QuantSpec
-
-    return QuantSpec(
-        bits=bits,
-        group_size=group_size,
-        rounding="stochastic" if stochastic else "nearest",
-        scale_dtype=torch.bfloat16 if scale_bf16 else torch.float32,
-    )
 
 
 def _had(signs):

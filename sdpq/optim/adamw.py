@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from ..config import MasterWeights, OptimizerConfig, OptimizerStates, SecondMomentFormat
+from ..kernels import uses_triton
 from ..quant import mcf
-from ..quant.fused import uses_kernels
 from . import checkpoint, guard, states
 from .layout import chunk_numel, chunks, fp8_groups_ok, local, rows
 from .native_args import KERNEL_DTYPES, NativeArgs
@@ -347,7 +347,7 @@ class AdamW(torch.optim.Optimizer):
         G = group["group_size"]
         return (
             self.kernels_enabled
-            and uses_kernels(pl)
+            and uses_triton(pl)
             and "master_lo" in st
             and group["v_format"] == "e4m3"
             and G & (G - 1) == 0

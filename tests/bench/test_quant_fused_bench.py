@@ -3,7 +3,7 @@
 import torch
 
 from sdpq.bench import quant_fused
-from sdpq.quant import fused as F
+from sdpq import kernels as F
 
 
 def test_records_for_every_op_on_cpu():
@@ -16,7 +16,7 @@ def test_records_for_every_op_on_cpu():
 
     recs = quant_fused.run([1 << 12], torch.device("cpu"), timer)
     names = {r["primitive"] for r in recs}
-    paths = ["cpp", "pytorch"] if F.uses_native(torch.empty(0)) else ["pytorch"]  # cpp: the compiled kernel
+    paths = ["cpp", "pytorch"] if F.uses_cpp(torch.empty(0)) else ["pytorch"]  # cpp: the compiled kernel
     assert names == {f"{op}[{p}]" for op in quant_fused._ops(1 << 12, torch.device("cpu")) for p in paths}
     for r in recs:  # same traffic for op and copy, same (fake) time: the ratio is exactly 1
         assert r["vs_copy"] == 1.0 and r["speedup_vs_pytorch"] == 1.0 and r["gbps"] > 0

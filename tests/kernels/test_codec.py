@@ -1,4 +1,4 @@
-"""Fused Triton codec kernels against the PyTorch reference (sdpq.quant.fused).
+"""Fused Triton codec kernels against the PyTorch reference (sdpq.quant.rows).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, numpy underneath);
 with one they are compiled and run on CUDA tensors. Nearest rounding must agree bitwise (same
@@ -19,7 +19,7 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py 
 
 from sdpq.kernels import codec  # noqa: E402
 from sdpq.quant import QuantSpec  # noqa: E402
-from sdpq.quant.fused import _decode_rows_ref, _encode_rows_ref, _reduce_rows_ref  # noqa: E402
+from sdpq.quant.rows import decode_rows_ref as _decode_rows_ref, encode_rows_ref as _encode_rows_ref, reduce_rows_ref as _reduce_rows_ref  # noqa: E402
 from sdpq.quant.hadamard import signs  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"

@@ -1,5 +1,5 @@
 """The C++ CPU codec (torch.ops.sdpq.encode_rows / decode_rows / reduce_rows, sdpq/csrc/codec.cpp)
-against the PyTorch reference of sdpq.quant.fused.
+against the PyTorch reference of sdpq.quant.rows.
 
 Nearest rounding must agree bitwise with the reference: same fp32 operations in the same order,
 for every layout (bits, group size, scale dtype, Hadamard block, segments, input dtype, short
@@ -9,7 +9,7 @@ than one step from the value, on the two neighbouring codes) and to unbiasedness
 depend on the number of threads.
 
 The operators are called directly, next to the reference functions. (The collectives' tests in
-tests/comm run the same kernels through sdpq.quant.fused, which calls them for CPU tensors.)
+tests/comm run the same kernels through sdpq.kernels, which calls them for CPU tensors.)
 """
 
 import os
@@ -22,7 +22,7 @@ import torch
 
 from sdpq.kernels import codec_ops
 from sdpq.quant import QuantSpec
-from sdpq.quant.fused import _decode_rows_ref, _encode_rows_ref, _reduce_rows_ref
+from sdpq.quant.rows import decode_rows_ref as _decode_rows_ref, encode_rows_ref as _encode_rows_ref, reduce_rows_ref as _reduce_rows_ref
 from sdpq.quant.groupwise import dequantize
 from sdpq.quant.hadamard import signs
 from sdpq.quant.wire import unpack
@@ -182,11 +182,12 @@ def test_disabled_native_path_falls_back_to_the_reference():
     res = _run("""
         import warnings, torch
         warnings.simplefilter("error")  # an explicit opt-out is not warned about
-        from sdpq.quant import QuantSpec, fused as F
+        from sdpq import kernels as F
+        from sdpq.quant import QuantSpec, rows as R
         x = torch.randn(2, 4096)
-        assert not F.uses_native(x)
+        assert not F.uses_cpp(x)
         got = F.encode_rows(x, QuantSpec(4, 128))[0]
-        assert torch.equal(got, F._encode_rows_ref(x, QuantSpec(4, 128), None, 1, None, None, None)[0])
+        assert torch.equal(got, R.encode_rows_ref(x, QuantSpec(4, 128), None, 1, None, None, None)[0])
         print("ok")
     """, SDPQ_NATIVE="0")
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
@@ -196,7 +197,8 @@ def test_missing_compiler_warns_once_and_falls_back(tmp_path):
     res = _run("""
         import warnings, torch
         from sdpq.kernels.native import NativeBuildWarning
-        from sdpq.quant import QuantSpec, fused as F
+        from sdpq import kernels as F
+        from sdpq.quant import QuantSpec, rows as R
         x = torch.randn(2, 4096)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -204,7 +206,7 @@ def test_missing_compiler_warns_once_and_falls_back(tmp_path):
                 got = F.encode_rows(x, QuantSpec(4, 128))[0]
         built = [m for m in w if issubclass(m.category, NativeBuildWarning)]
         assert len(built) == 1 and "could not be built" in str(built[0].message), [str(m.message) for m in w]
-        assert torch.equal(got, F._encode_rows_ref(x, QuantSpec(4, 128), None, 1, None, None, None)[0])
+        assert torch.equal(got, R.encode_rows_ref(x, QuantSpec(4, 128), None, 1, None, None, None)[0])
         print("ok")
     """, SDPQ_CACHE=str(tmp_path), CXX="/nonexistent/c++")
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
@@ -214,7 +216,7 @@ def test_missing_compiler_warns_once_and_falls_back(tmp_path):
 def test_decode_rows_inverse_hadamard_is_decode_then_inverse(spec):
     """The fused decode + inverse transform (reduce_rows of each row and a zero row) gives the two
     passes' bits: the reference decoding and sdpq.quant.hadamard.inverse_hadamard."""
-    from sdpq.quant.fused import decode_rows_inverse_hadamard
+    from sdpq.kernels import decode_rows_inverse_hadamard
     from sdpq.quant.hadamard import inverse_hadamard
 
     numel, had = 4096, (64, 9)

@@ -1,6 +1,7 @@
-"""The collectives' hot paths as whole operations: the PyTorch reference, or one fused kernel.
+"""The collectives' hot paths as whole operations: one fused kernel, or the PyTorch reference.
 
-Each function is what a collective does to a buffer between two exchanges:
+Each function is what a collective does to a buffer between two exchanges (the PyTorch
+composition of each is ``sdpq.quant.rows``):
 
     encode_rows   [x - ref] [randomized Hadamard] -> group quantize -> pack
     decode_rows   unpack -> dequantize [-> add into a reference, in place]
@@ -9,10 +10,10 @@ Each function is what a collective does to a buffer between two exchanges:
 
 Each runs as one operator (``torch.ops.sdpq.*``, ``sdpq.kernels.codec_ops``) with one kernel
 per device: C++ on CPU (built at first use), Triton on CUDA. Where neither can run (no C++
-compiler, ``SDPQ_NATIVE=0`` for CPU, ``SDPQ_TRITON=0`` for CUDA) the PyTorch composition below
-runs instead; it stays the reference: kernels are tested against it, bitwise with nearest
-rounding. The test mode ``SDPQ_TRITON=interpret TRITON_INTERPRET=1`` runs the Triton kernels on
-every device, through Triton's interpreter.
+compiler, ``SDPQ_CPP=0`` for CPU, ``SDPQ_TRITON=0`` for CUDA) the reference in
+``sdpq.quant.rows`` runs instead; kernels are tested against it, bitwise with nearest rounding.
+The test mode ``SDPQ_TRITON=interpret TRITON_INTERPRET=1`` runs the Triton kernels on every
+device, through Triton's interpreter.
 
 Note: stochastic rounding in a kernel draws from the kernel's own counter-based stream, seeded
 by one draw from the caller's torch generator per call; the reference draws from the generator
@@ -27,21 +28,18 @@ import os
 import torch
 
 from .._hotpath import host_read
-from ..kernels import codec_ops
-from .groupwise import QuantSpec, dequantize, nonfinite_groups, quantize
-from .hadamard import hadamard as _hadamard
-from .hadamard import inverse_hadamard, signs
-from .wire import pack, unpack
+from ..quant.groupwise import QuantSpec
+from ..quant.hadamard import signs
+from ..quant.rows import decode_rows_ref, encode_rows_ref, reduce_rows_ref
+from . import codec_ops
 
 __all__ = [
     "encode_rows",
     "decode_rows",
     "reduce_rows",
     "decode_rows_inverse_hadamard",
-    "poison_scales_",
-    "wire_nonfinite",
-    "uses_kernels",
-    "uses_native",
+    "uses_triton",
+    "uses_cpp",
 ]
 
 Hadamard = tuple[int, int]  # (block, seed)
@@ -65,20 +63,20 @@ def _triton_mode() -> str:
     return "interpret" if want == "interpret" else "cuda"
 
 
-def uses_kernels(t: torch.Tensor) -> bool:
+def uses_triton(t: torch.Tensor) -> bool:
     """The Triton kernels run for t (CUDA, or every device in the interpreter test mode)."""
     mode = _triton_mode()
     return mode == "interpret" or (mode == "cuda" and t.is_cuda)
 
 
-def uses_native(t: torch.Tensor) -> bool:
+def uses_cpp(t: torch.Tensor) -> bool:
     """The C++ CPU kernels run for t."""
     return t.device.type == "cpu" and _triton_mode() != "interpret" and codec_ops.cpu_available()
 
 
 def _use_op(t: torch.Tensor) -> bool:
     """Call the torch.ops.sdpq operator (its CPU or CUDA kernel) rather than the reference."""
-    return (t.is_cuda and _triton_mode() == "cuda") or uses_native(t)
+    return (t.is_cuda and _triton_mode() == "cuda") or uses_cpp(t)
 
 
 def _spec_args(spec: QuantSpec) -> tuple[int, int, bool, bool]:
@@ -117,44 +115,26 @@ def encode_rows(
     R, n = x.shape
     if R % segments:
         raise ValueError(f"encode_rows: {R} rows do not split into {segments} segments")
-    native = _use_op(x) and (segments == 1 or n % spec.group_size == 0)
-    if native or uses_kernels(x):
+    use_op = _use_op(x) and (segments == 1 or n % spec.group_size == 0)
+    if use_op or uses_triton(x):
         signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], x.device)
         args = (x, ref, segments, *_spec_args(spec), signs_t, -1 if own_row is None else own_row, _seed(generator))
-        op = torch.ops.sdpq.encode_rows if native else codec_ops.triton_encode_rows
+        op = torch.ops.sdpq.encode_rows if use_op else codec_ops.triton_encode_rows
         wire, own, flag = op(*args)
         return wire, (own if own_row is not None else None), flag
-    return _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator)
-
-
-def _encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator):
-    R, n = x.shape
-    v = x.float() - ref.float() if ref is not None else x.float()
-    if hadamard is not None:
-        v = _hadamard(v, *hadamard)
-    P = R // segments
-    rows = v.view(segments, P, n)
-    own = rows[:, own_row] if own_row is not None else None
-    q = quantize(rows.transpose(0, 1).reshape(P, segments * n), spec, generator)
-    return pack(q, spec), own, nonfinite_groups(q).any()
+    return encode_rows_ref(x, spec, ref, segments, hadamard, own_row, generator)
 
 
 def decode_rows(
     buf: torch.Tensor, spec: QuantSpec, numel: int, out: torch.Tensor, *, add: bool = False
 ) -> torch.Tensor:
     """wire [R, wire_bytes(numel)] -> out [R, numel] (its dtype); ``out += values`` (fp32 math) if add."""
-    native = _use_op(buf) and out.dim() == 2 and out.stride(1) == 1
-    if native or uses_kernels(buf):
-        op = torch.ops.sdpq.decode_rows if native else codec_ops.triton_decode_rows
+    use_op = _use_op(buf) and out.dim() == 2 and out.stride(1) == 1
+    if use_op or uses_triton(buf):
+        op = torch.ops.sdpq.decode_rows if use_op else codec_ops.triton_decode_rows
         op(buf, numel, spec.bits, spec.group_size, spec.scale_dtype == torch.bfloat16, out, add)
         return out
-    return _decode_rows_ref(buf, spec, numel, out, add)
-
-
-def _decode_rows_ref(buf, spec, numel, out, add):
-    vals = dequantize(unpack(buf, spec, numel))
-    out.copy_(out.float() + vals if add else vals)
-    return out
+    return decode_rows_ref(buf, spec, numel, out, add)
 
 
 def reduce_rows(
@@ -176,35 +156,19 @@ def reduce_rows(
     `hadamard`. With `encode_spec` the sum is instead split into rows of `encode_numel` and
     re-encoded: returns (wire [numel / encode_numel, wire bytes], fp32 copy of row `own_seg`,
     nonfinite)."""
-    native = _use_op(buf)
-    if native or uses_kernels(buf):
+    use_op = _use_op(buf)
+    if use_op or uses_triton(buf):
         signs_t = None if hadamard is None else signs(hadamard[0], hadamard[1], buf.device)
         enc = _spec_args(encode_spec) if encode_spec is not None else (0, 2, spec.rounding == "stochastic", False)
         spec_args = (spec.bits, spec.group_size, spec.scale_dtype == torch.bfloat16)
         args = (buf, numel, *spec_args, own.reshape(-1), own_row, bad, signs_t, *enc, encode_numel, own_seg)
-        op = torch.ops.sdpq.reduce_rows if native else codec_ops.triton_reduce_rows
+        op = torch.ops.sdpq.reduce_rows if use_op else codec_ops.triton_reduce_rows
         out, own_out, flag = op(*args, _seed(generator))
         return out if encode_spec is None else (out, own_out, flag)
     bad_f = torch.where(bad, float("nan"), 0.0).to(torch.float32).reshape(1)
-    return _reduce_rows_ref(
+    return reduce_rows_ref(
         buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator
     )
-
-
-def _reduce_rows_ref(buf, spec, numel, own, own_row, bad_f, hadamard, encode_spec, encode_numel, own_seg, generator):
-    parts = dequantize(unpack(buf, spec, numel))
-    parts[own_row] = own.reshape(-1)
-    # Note: rows are summed in row order, one add at a time (the kernels' order); torch's
-    # sum(0) reorders its additions for more than 4 rows.
-    y = parts[0].clone()
-    for part in parts[1:]:
-        y += part
-    y += bad_f
-    if encode_spec is None:
-        return inverse_hadamard(y, *hadamard) if hadamard is not None else y
-    rows = y.view(-1, encode_numel)
-    q = quantize(rows, encode_spec, generator)
-    return pack(q, encode_spec), rows[own_seg].clone(), nonfinite_groups(q).any()
 
 
 def decode_rows_inverse_hadamard(buf: torch.Tensor, spec: QuantSpec, numel: int, hadamard: Hadamard) -> torch.Tensor:
@@ -217,19 +181,3 @@ def decode_rows_inverse_hadamard(buf: torch.Tensor, spec: QuantSpec, numel: int,
     ok = torch.zeros((), dtype=torch.bool, device=buf.device)
     rows = [reduce_rows(row.expand(2, -1), spec, numel, zero, 1, ok, hadamard=hadamard) for row in buf]
     return torch.stack(rows)
-
-
-def wire_nonfinite(wire: torch.Tensor, spec: QuantSpec, numel: int) -> torch.Tensor:
-    """0-dim bool: any scale of the wire rows [R, wire_bytes(numel)] is inf/NaN (reads scales only)."""
-    region = wire[:, spec.code_bytes(numel) :].contiguous()  # may start at an odd offset: copy to align
-    return ~torch.isfinite(region.view(spec.scale_dtype)).all()
-
-
-def poison_scales_(wire: torch.Tensor, spec: QuantSpec, numel: int, bad: torch.Tensor) -> torch.Tensor:
-    """Every scale of every row NaN when `bad` (0-dim bool): a receiver then decodes NaN
-    everywhere. Touches only the scale bytes (no host sync, no branch on data)."""
-    cb = spec.code_bytes(numel)
-    nan = torch.full((spec.groups(numel),), float("nan"), dtype=spec.scale_dtype, device=wire.device)
-    region = wire[:, cb:]
-    region.copy_(torch.where(bad, nan.view(torch.uint8).expand_as(region), region))
-    return wire
