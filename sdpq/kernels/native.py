@@ -4,9 +4,10 @@ Each source file is one shared library that registers CPU kernels for operators 
 Python (``torch.library``; see ``codec_ops`` and ``adamw_ops``). It is compiled at first use with
 ``torch.utils.cpp_extension`` into a persistent cache (``$SDPQ_CACHE`` or
 ``~/.cache/sdpq/native``), keyed by the source, torch's version and the CPU's instruction
-sets, so later processes (every rank of every run) only load it. The first build takes about
-20-40 s per library on a 2-core machine; ranks started together wait on one file lock, an
-``flock`` the kernel releases when its holder dies.
+sets, so later processes (every rank of every run) only load it. The first build was measured
+once on a 2-core machine at ~15 s for the codec and ~20 s for AdamW (benchmarks/RESULTS.md,
+Kernels); ranks started together wait on one file lock, an ``flock`` the kernel releases when its
+holder dies.
 
 Note: torch's own build lock (a ``lock`` file in the build folder, waited on forever) stays
 behind when a build is killed (Ctrl-C, a timeout, a killed rank), and every later process would

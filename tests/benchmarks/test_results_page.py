@@ -1,0 +1,221 @@
+"""benchmarks/RESULTS.md against the results files, the README against RESULTS.md, and the
+documentation free of work-history talk.
+
+- The headline table of RESULTS.md is exactly what benchmarks/results_page.py generates from
+  benchmarks/results/*.json (a hand edit of a figure, or a changed results file, fails).
+- Every measured figure in README.md (a decimal, a multiple "Nx" or a percentage outside code)
+  carries a `<!-- h:KEY -->` marker and appears in the headline row KEY; a few numbers that are
+  not measurements (torch versions, a bound) are listed below with the reason.
+- benchmarks/*.md, benchmarks/log/*.md, docs/*.md and README.md name no work items ("#12"),
+  sessions or rounds of work.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+results_page = _module("results_page")
+
+# Numbers in the README that are not measurements, each with why.
+NOT_MEASURED = {
+    "2.11.0": "a tested torch version",
+    "2.13.0": "a tested torch version (and the pinned one)",
+    "2.14.1": "a tested torch version",
+    "2.15.0": "a tested torch version",
+    "0.25": "the lower bound of a 4-bit all-reduce against a bf16 one (4 / 16), not a measurement",
+}
+FIGURE = re.compile(
+    r"(?<![\w.+-])([+-]?\d+(?:\.\d+)+%?|[+-]?\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?:%|x\b)"  # 0.065, 2.13.0, +0.10%, 7-15x
+    r"|\d+(?:-\d+)?[ -](?:s|min|minutes?|seconds?|hours?)\b)"  # durations: "15-25 s", "about 15 minutes"
+)
+MARKER = re.compile(r"\s*<!--\s*h:([\w-]+)\s*-->")
+
+
+def _prose(text: str) -> str:
+    """`text` without fenced code blocks and inline code spans (commands, not figures)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def test_headline_table_matches_the_results_files():
+    page = results_page.PAGE.read_text()
+    assert results_page.BEGIN in page and results_page.END in page
+    expected = results_page.render(page)
+    assert page == expected, (
+        "benchmarks/RESULTS.md's headline table differs from benchmarks/results/*.json; "
+        "run .venv/bin/python benchmarks/results_page.py"
+    )
+    assert results_page.main(["--check"]) == 0
+
+
+def test_check_fails_on_a_hand_edited_figure(tmp_path, monkeypatch):
+    page = results_page.PAGE.read_text()
+    row = results_page.parse_table(page)["bytes-fsdp2"]
+    edited = page.replace(f"| {row['sdpq / baseline']} |", "| 0.001 |", 1)
+    assert edited != page
+    copy = tmp_path / "RESULTS.md"
+    copy.write_text(edited)
+    monkeypatch.setattr(results_page, "PAGE", copy)
+    assert results_page.main(["--check"]) == 1
+    assert results_page.main([]) == 0  # regenerating restores the page
+    assert copy.read_text() == page
+
+
+def test_headline_rows_carry_their_provenance():
+    rows = results_page.parse_table(results_page.PAGE.read_text())
+    for key in (
+        "bytes-fsdp2",
+        "bytes-zero3",
+        "bytes-hsdp",
+        "bytes-zeropp",
+        "loss-fsdp2",
+        "step-loopback-fsdp2",
+        "step-200mbit-fsdp2",
+        "optimizer-zero3",
+        "kernels-vs-copy",
+        "gpu",
+        "loss-long-fsdp2",
+    ):
+        assert key in rows, key
+    for key, row in rows.items():
+        for col in ("command", "date", "commit", "machine"):
+            assert row[col], (key, col)
+    # Only the emulated-cluster files record a date; none records a commit or a machine.
+    assert rows["step-200mbit-fsdp2"]["date"] == "2026-11-24"
+    assert rows["bytes-fsdp2"]["date"] == results_page.NOT_RECORDED
+    assert all(r["commit"] == results_page.NOT_RECORDED for r in rows.values())
+
+
+def test_long_run_rows_from_convergence_long_summary(tmp_path):
+    """When benchmarks/convergence_long.py's results land, their rows come from its summarize()."""
+    convergence_long = _module("convergence_long")
+    runs: dict = {"fsdp2": {}, "zero3": {}}
+    for fw in runs:
+        for seed, (b, s) in enumerate([(2.50, 2.51), (2.52, 2.52), (2.54, 2.53)]):
+            runs[fw][str(seed)] = {
+                arm: {
+                    "losses": [loss] * 60,
+                    "val_loss": loss + 0.02,
+                    "params": 1000,
+                    "optimizer": "x",
+                    "meter_cross_node_bytes_per_step": nbytes,
+                    "optimizer_bytes_per_param": obpp,
+                    "step_seconds": 1.0,
+                }
+                for arm, loss, nbytes, obpp in (("baseline", b, 3.0e7, 12.0), ("sdpq", s, 2.0e6, 6.25))
+            }
+    summary = convergence_long.summarize(runs, None)
+    results = tmp_path / "results"
+    shutil.copytree(results_page.RESULTS_DIR, results, ignore=shutil.ignore_patterns("convergence_long.*"))
+    (results / "convergence_long.json").write_text(
+        json.dumps({"args": {"steps": 60, "seeds": "0,1,2"}, "meta": {}, "summary": summary, "runs": runs})
+    )
+    rows = {r.key: r for r in results_page.rows(results)}
+    assert (
+        rows["loss-long-fsdp2"].ratio == f"{summary['fsdp2']['diff_percent']:+.2f}% "
+        f"({summary['fsdp2']['diff_in_baseline_sd']:+.2f} sd)"
+    )
+    assert math.isclose(summary["zero3"]["bytes_ratio"], 2.0e6 / 3.0e7)
+    assert rows["bytes-long-zero3"].ratio == "0.067"
+    assert rows["optimizer-long-fsdp2"].sdpq == "6.25"
+    assert "not yet run" not in rows["loss-long-zero3"].sdpq
+    # Without the file, the rows say it has not run.
+    (results / "convergence_long.json").unlink()
+    rows = {r.key: r for r in results_page.rows(results)}
+    assert rows["loss-long-fsdp2"].sdpq == "not yet run"
+
+
+def test_readme_figures_match_the_headline_table():
+    rows = results_page.parse_table(results_page.PAGE.read_text())
+    prose = _prose((ROOT / "README.md").read_text())
+    checked, unmarked = 0, []
+    for m in FIGURE.finditer(prose):
+        figure = m.group(1)
+        marker = MARKER.match(prose, m.end())
+        if marker is None:
+            if figure not in NOT_MEASURED:
+                line = prose[: m.start()].count("\n") + 1
+                unmarked.append(f"README line ~{line}: {figure!r}")
+            continue
+        key = marker.group(1)
+        assert key in rows, f"README cites headline row {key!r}, which RESULTS.md does not have"
+        cells = " ".join(rows[key][c] for c in ("sdpq", "baseline", "sdpq / baseline"))
+        assert re.search(rf"(?<![\w.]){re.escape(figure)}(?![\w.])", cells), (
+            f"README quotes {figure} for {key!r}; the headline row says {cells!r}"
+        )
+        checked += 1
+    assert not unmarked, "figures in the README that are not in the headline table: " + "; ".join(unmarked)
+    assert checked >= 10, f"only {checked} README figures are tied to the headline table"
+
+
+def test_readme_says_what_has_not_been_measured():
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r"Not yet measured: sdpq (has not run )?on a GPU, over NCCL,? or across real\s+nodes", readme)
+
+
+WORK_HISTORY = [
+    (re.compile(r"(?<![\w&/])#\d+\b"), "a work-item number"),
+    (re.compile(r"\bsessions?\b", re.I), "'session'"),
+    (re.compile(r"\brounds? of (work|tuning)\b", re.I), "'round(s) of work'"),
+    (re.compile(r"\b(first|second|third|fourth|fifth|sixth|this|next|previous|last) round\b", re.I), "a round"),
+]
+# Legitimate matches, by file and text: none today. Add (path, matched text) with a reason.
+ALLOWED: set[tuple[str, str]] = set()
+
+
+def _history_files() -> list[Path]:
+    files = [
+        ROOT / "README.md",
+        *sorted((ROOT / "benchmarks").glob("*.md")),
+        *sorted((ROOT / "benchmarks" / "log").glob("*.md")),
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]
+    return [f for f in files if f.exists()]
+
+
+@pytest.mark.parametrize("path", _history_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_work_history_talk(path):
+    text = path.read_text()
+    rel = str(path.relative_to(ROOT))
+    found = [
+        f"line {text[: m.start()].count(chr(10)) + 1}: {m.group(0)!r} ({what})"
+        for pattern, what in WORK_HISTORY
+        for m in pattern.finditer(text)
+        if (rel, m.group(0)) not in ALLOWED
+    ]
+    assert not found, f"{rel} talks about the work's history: " + "; ".join(found)
+
+
+def test_patterns_catch_what_they_should():
+    assert [m.group(1) for m in FIGURE.finditer("7-15x, 0.97 / 0.96, 15-25 s, about 15 minutes, +0.10%")] == [
+        "7-15x",
+        "0.97",
+        "0.96",
+        "15-25 s",
+        "15 minutes",
+        "+0.10%",
+    ]
+    samples = ["see #12", "(issue #14)", "this session", "Session 3", "two rounds of work", "the third round"]
+    for s in samples:
+        assert any(p.search(s) for p, _ in WORK_HISTORY), s
+    for s in ["rounding", "rounded up", "[GPU](#gpu)", "`C#`", "a round trip"]:
+        assert not any(p.search(s) for p, _ in WORK_HISTORY), s
