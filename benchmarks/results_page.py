@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if new != page:
             print(
-                f"{PAGE.relative_to(ROOT)}: the headline table differs from benchmarks/results/*.json; "
+                f"{PAGE}: the headline table differs from benchmarks/results/*.json; "
                 "run .venv/bin/python benchmarks/results_page.py",
                 file=sys.stderr,
             )
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if new != page:
         PAGE.write_text(new)
-        print(f"wrote the headline table of {PAGE.relative_to(ROOT)}")
+        print(f"wrote the headline table of {PAGE}")
     return 0
 
 
