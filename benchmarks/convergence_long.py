@@ -288,10 +288,16 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     runs: dict = {f: {} for f in fws}
     t0 = time.time()
+    parts = out.with_suffix(".parts")  # each finished job, so that an interrupted study resumes
+    parts.mkdir(parents=True, exist_ok=True)
     for f in fws:
         for s in seeds:
-            t = time.time()
+            t, part = time.time(), parts / f"{f}_seed{s}_{args.steps}steps.json"
+            if part.exists():
+                runs[f][str(s)] = json.loads(part.read_text())
+                continue
             runs[f][str(s)] = res = run_job(args, f, s)
+            part.write_text(json.dumps(res))
             print(f"{TAG} {f} seed {s}: final loss baseline {final_loss(res['baseline']['losses']):.4f} "
                   f"sdpq {final_loss(res['sdpq']['losses']):.4f}  cross-node MB/step "
                   f"{res['baseline']['meter_cross_node_bytes_per_step'] / 1e6:.3f} -> "
