@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import provenance  # noqa: E402
 from sdpq.launch.local import run_local  # noqa: E402
 
 WORLD, RPN = 4, 2
@@ -122,7 +123,7 @@ def measure(model_spec: dict, steps: int) -> dict:
             mine0, mine1 = w0.view(N, -1)[rank], w1.view(N, -1)[rank]
             wg.gather(mine0)  # the first refresh is exact (and not what is compared)
             b0, e0 = (stats.as_dict()["weights"]["inter"][k] for k in ("bytes", "elements"))
-            wg.mark_weights_changed()
+            wg.mark_weights_changed(exact=False)
             full = wg.gather(mine1)
             b1, e1 = (stats.as_dict()["weights"]["inter"][k] for k in ("bytes", "elements"))
             wbytes, welems = wbytes + b1 - b0, welems + e1 - e0
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
         for arm in ("unaligned", "aligned"):
             rows = [r[name][arm] for r in per_rank]
             summary[name][arm] = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-    Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "meta": provenance(), "summary": summary}, indent=1))
     shown = {
         "gradients_inter_bits_per_element": "grad bits/elem",
         "gradients_relative_error": "grad rel err",

@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import provenance  # noqa: E402
 from sdpq.launch.local import run_local  # noqa: E402
 
 WORLD, RPN = 4, 2
@@ -305,7 +306,7 @@ def main(argv=None) -> int:
     summary = summarize(runs, args)
     tokens = args.steps * WORLD * args.micro_batch * args.seq_len
     meta = {"world": f"{WORLD // RPN} nodes x {RPN} ranks (gloo)", "tokens_per_run": tokens,
-            "wall_seconds": time.time() - t0}
+            "wall_seconds": time.time() - t0, **provenance()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "meta": meta, "summary": summary, "runs": runs}, indent=1))
     plot(runs, out.with_suffix(".png"), args)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import provenance  # noqa: E402
 from sdpq.launch.local import run_local  # noqa: E402
 
 WORLD, RPN = 4, 2
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
     summary = summarize(runs)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "wall_seconds": time.time() - t0, "summary": summary,
+    path.write_text(json.dumps({"args": vars(args), "meta": {"wall_seconds": time.time() - t0, **provenance()},
+                                "summary": summary,
                                 "runs": runs}, indent=1))
     print(json.dumps(summary, indent=1))
     return 0
