@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,8 @@ __all__ = [
     "WeightsConfig",
     "GradientsConfig",
     "OptimizerConfig",
+    "ADAMW_HYPERPARAMETERS",
+    "check_adamw_hyperparameters",
     "TopologyConfig",
     "StatsConfig",
     "WorkaroundsConfig",
@@ -218,7 +221,33 @@ class GradientsConfig(_Section):
         _check_int(f"{path}.seed", self.seed, 0, 2**63 - 1)
 
 
-# The AdamW choices, defined here once (sdpq.optim.AdamW validates against the same lists).
+# The AdamW choices and defaults, defined here once: sdpq.optim.AdamW takes its defaults from
+# OptimizerConfig and ADAMW_HYPERPARAMETERS and validates its arguments through the same code
+# (OptimizerConfig and check_adamw_hyperparameters), so the class refuses what the config refuses.
+ADAMW_HYPERPARAMETERS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+
+
+def _finite(value: Any) -> float | None:
+    """value as a finite float, or None (bools, non-numbers, inf and NaN)."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) and not isinstance(value, bool) else None
+
+
+def check_adamw_hyperparameters(path: str, *, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """lr, eps and weight_decay finite and >= 0, betas two finite values in [0, 1); a ConfigError
+    naming ``path.<name>`` and the value otherwise."""
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        x = _finite(value)
+        if x is None or x < 0.0:
+            _fail(f"{path}.{name}", value, "a finite number >= 0")
+    pair = [_finite(b) for b in betas] if isinstance(betas, (tuple, list)) else []
+    if len(pair) != 2 or any(b is None or not 0.0 <= b < 1.0 for b in pair):
+        _fail(f"{path}.betas", betas, "two numbers in [0, 1)")
+
+
 OptimizerStates = Literal["fp8", "bf16", "fp32"]
 MasterWeights = Literal["mcf", "native"]
 SecondMomentFormat = Literal["e4m3", "e5m2"]

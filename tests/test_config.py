@@ -1,6 +1,7 @@
 """Strict config: every error names the key path, the value and what is allowed."""
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -168,3 +169,15 @@ def test_the_largest_tiles_are_allowed():
         "optimizer": {"group_size": TILE_MAX},
     })
     assert c.weights.group_size == c.gradients.hadamard_block == c.optimizer.group_size == TILE_MAX == 4096
+
+
+def test_deepspeed_optimizer_hyperparameters_are_checked_as_adamw_checks_them():
+    """`sdpq config --check` refuses the DeepSpeed optimizer values sdpq's AdamW would refuse."""
+    from sdpq.integrations import IncompatibleConfigError, check_deepspeed_config
+
+    for params, message in (({"lr": float("inf")}, '"optimizer"."params".lr: invalid value inf'),
+                            ({"betas": [0.9, 1.5]}, '"optimizer"."params".betas: invalid value [0.9, 1.5]')):
+        ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": params}, "sdpq": {"weights": {}}}
+        with pytest.raises(IncompatibleConfigError, match=re.escape(message)):
+            check_deepspeed_config(ds, Config.from_deepspeed(ds))

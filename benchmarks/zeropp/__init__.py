@@ -26,9 +26,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from sdpq.testing import reset_deepspeed_groups  # shared with the DeepSpeed tests
-
 from .cpu_kernels import CPUQuantizerOps
+from .groups import reset_deepspeed_groups  # shared with the DeepSpeed tests
 
 __all__ = [
     "CPUQuantizerOps",

@@ -5,7 +5,7 @@ padded with zeros); rank r owns shard r. `gather(shard)` returns the full bucket
 
 Modes:
 - "diff": rank (n, l) keeps the node-resident reference R_l = shards {n' * L + l} (fp32 by
-  default). Once per weight version (`mark_weights_changed()`), the owner sends
+  default). Once per weight version (`mark_weights_changed(exact=False)`), the owner sends
   Q4(shard - R_l[n]) over the inter-node group and every holder of R_l adds the dequantized differences; every gather is
   then an intra-node all-gather of R_l in the compute dtype. Cross-node traffic: ~4 bits per
   element once per step instead of 16 bits per gather.
@@ -151,11 +151,18 @@ class WeightGather:
 
     # ------------------------------------------------------------------ public API
 
-    def mark_weights_changed(self, exact: bool = False) -> None:
+    def mark_weights_changed(self, *, exact: bool = True) -> None:
         """The weights changed (optimizer step, checkpoint load, a manual edit): the next gather
-        refreshes the reference. `exact=True` makes that refresh exact. Call on every rank, outside
-        the hot path: it reads what the last refresh flagged on the device (a non-finite weight, a
-        failed verification), which makes the next refresh exact."""
+        refreshes the reference. `exact=True` (default) makes that refresh an exact exchange, right
+        for a change of any size; `exact=False` sends a quantized difference, right for the small
+        updates of an optimizer step (what the integrations' step hooks pass). Call on every rank,
+        outside the hot path: it reads what the last refresh flagged on the device (a non-finite
+        weight, a failed verification), which makes the next refresh exact."""
+        # Note: one default for every mark_weights_changed (this one, sdpq.fsdp's, the DeepSpeed
+        # adapter's): exact. A caller that does not say otherwise cannot know how far the weights
+        # moved, and a quantized difference of a large jump (a loaded checkpoint, an edit by hand)
+        # is a large error in the next forward; the exact refresh costs one unquantized gather.
+        # Only the optimizer-step hooks know their updates are small, and they pass exact=False.
         self._settle()
         self.dirty = True
         self._force_exact = self._force_exact or exact

@@ -137,7 +137,8 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
 
     def mark_weights_changed(self, params=None, *, exact: bool = True) -> None:
         """The partitions of `params` (default: all) changed outside DeepSpeed's view: their next
-        gather refreshes the reference (exactly when `exact`). Call on every rank."""
+        gather refreshes the reference, exactly by default (see WeightGather.mark_weights_changed;
+        the step hook passes exact=False). Call on every rank."""
         for p in self.params.values() if params is None else params:
             wg = self.weights.get(p.ds_id)
             if wg is not None:

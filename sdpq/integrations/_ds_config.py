@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 
-from ..config import Config
+from ..config import ADAMW_HYPERPARAMETERS, Config, ConfigError, check_adamw_hyperparameters
 
 __all__ = ["IncompatibleConfigError", "check_config", "prepare_config"]
 
@@ -71,12 +71,15 @@ def _sdpq_optimizer(ds: dict, cfg: Config, a: dict):
         raise IncompatibleConfigError(
             'sdpq AdamW decays weights decoupled (adam_w_mode true); "adam_w_mode": false (L2 Adam) is not supported'
         )
-    hp = dict(
-        lr=float(params.get("lr", 1e-3)),
-        betas=tuple(params.get("betas", (0.9, 0.999))),
-        eps=float(params.get("eps", 1e-8)),
-        weight_decay=float(params.get("weight_decay", 0.01 if kind == "adamw" else 0.0)),
-    )
+    defaults = dict(ADAMW_HYPERPARAMETERS)
+    if kind != "adamw":
+        defaults["weight_decay"] = 0.0  # DeepSpeed's Adam: no decay unless asked
+    hp = {k: params.get(k, v) for k, v in defaults.items()}
+    try:  # what sdpq's AdamW will check, found before any rank starts
+        check_adamw_hyperparameters('"optimizer"."params"', **hp)
+    except ConfigError as e:
+        raise IncompatibleConfigError(str(e)) from None
+    hp = {k: tuple(map(float, v)) if k == "betas" else float(v) for k, v in hp.items()}
     if oc.master == "mcf":
         _check_mcf_bf16(ds)
 

@@ -264,7 +264,7 @@ def _marked_by(opts: list[torch.optim.Optimizer], comms_list: list[ModuleComms])
 def _hook_step(opt: torch.optim.Optimizer, marked: list[ModuleComms]):
     def _after_step(_opt, _args, _kwargs):
         for c in marked:
-            c.weights.mark_weights_changed()
+            c.weights.mark_weights_changed(exact=False)  # an optimizer step: a small update
 
     return opt.register_step_post_hook(_after_step)
 

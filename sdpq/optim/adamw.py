@@ -16,12 +16,12 @@ sub-groups, which share group index and position 0.
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..config import MasterWeights, OptimizerConfig, OptimizerStates, SecondMomentFormat
+from ..config import ADAMW_HYPERPARAMETERS, OptimizerConfig, check_adamw_hyperparameters
 from ..kernels import uses_triton
 from ..quant import mcf
 from . import checkpoint, guard, states
@@ -30,34 +30,15 @@ from .native_args import KERNEL_DTYPES, NativeArgs
 
 __all__ = ["AdamW"]
 
-_STATES = get_args(OptimizerStates)
-_MASTERS = get_args(MasterWeights)
-_V_FORMATS = get_args(SecondMomentFormat)
+_OPTIONS = OptimizerConfig()  # the defaults of the options (states, master, ...)
+_HP = ADAMW_HYPERPARAMETERS
+_PATH = "sdpq.optim.AdamW"  # where argument errors say they come from
 
 
 def _check_group(group: dict) -> None:
-    def bad(key, allowed):
-        raise ValueError(f"{key}={group[key]!r}: allowed values are {allowed}")
-
-    if group["states"] not in _STATES:
-        bad("states", _STATES)
-    if group["master"] not in _MASTERS:
-        bad("master", _MASTERS)
-    if group["v_format"] not in _V_FORMATS:
-        bad("v_format", _V_FORMATS)
-    if not isinstance(group["mcf_second_moment"], bool):
-        bad("mcf_second_moment", "True or False")
-    if not isinstance(group["group_size"], int) or group["group_size"] < 1:
-        bad("group_size", "a positive integer (COAT uses 128)")
-    if not 0.0 <= float(group["lr"]):
-        bad("lr", ">= 0")
-    if not 0.0 <= float(group["eps"]):
-        bad("eps", ">= 0")
-    if not 0.0 <= float(group["weight_decay"]):
-        bad("weight_decay", ">= 0")
-    b1, b2 = group["betas"]
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        bad("betas", "two floats in [0, 1)")
+    """A parameter group's options and hyperparameters, through the config's own checks."""
+    OptimizerConfig.from_dict({k: group[k] for k in _OPTIONS.adamw_options()}, path=_PATH)
+    check_adamw_hyperparameters(_PATH, **{k: group[k] for k in ADAMW_HYPERPARAMETERS})
     if group["master"] == "mcf":
         for p in group["params"]:
             _check_mcf_param(p)
@@ -93,16 +74,16 @@ class AdamW(torch.optim.Optimizer):
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
+        lr: float = _HP["lr"],
+        betas: tuple[float, float] = _HP["betas"],
+        eps: float = _HP["eps"],
+        weight_decay: float = _HP["weight_decay"],
         *,
-        states: str = "fp8",
-        master: str = "mcf",
-        mcf_second_moment: bool = False,
-        group_size: int = 128,
-        v_format: str = "e4m3",
+        states: str = _OPTIONS.states,
+        master: str = _OPTIONS.master,
+        mcf_second_moment: bool = _OPTIONS.mcf_second_moment,
+        group_size: int = _OPTIONS.group_size,
+        v_format: str = _OPTIONS.v_format,
         on_nonfinite: str = "skip",
         sync_group=None,
     ):

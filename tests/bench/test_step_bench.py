@@ -147,7 +147,7 @@ def test_bench_step_cli_smoke_fsdp2(capsys):
 
 
 def _ds_timing(ctx, block):
-    from sdpq.testing import reset_deepspeed_groups
+    from benchmarks.zeropp.groups import reset_deepspeed_groups
     from sdpq.train import deepspeed_backend
     from sdpq.train.model import GPTConfig
     from sdpq.train.run import RunSpec

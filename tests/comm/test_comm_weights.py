@@ -49,7 +49,7 @@ def _gather_walk(ctx, numel, cfg_kwargs, steps, lr, dtype):
     prev = None
     for t, w in enumerate(_walk(numel, steps, lr)):
         if t > 0:
-            wg.mark_weights_changed()  # an optimizer step changed the weights
+            wg.mark_weights_changed(exact=False)  # an optimizer step changed the weights
         if t == 1:
             rec.reset()  # steady state: the first refresh is an exact exchange
         out = wg(_shard(w, ctx.rank, C).to(dtype))
@@ -121,7 +121,7 @@ def _save_restore(ctx, numel, save_at, steps, rounding="nearest", mode="diff"):
     C = wg.shard_numel
     ref_digests, saved = [], None
     for t, w in enumerate(ws):
-        wg.mark_weights_changed()
+        wg.mark_weights_changed(exact=False)
         out = wg(_shard(w, ctx.rank, C))
         if t == save_at:
             buf = io.BytesIO()
@@ -132,7 +132,7 @@ def _save_restore(ctx, numel, save_at, steps, rounding="nearest", mode="diff"):
     restored = WeightGather(numel, topo, cfg, record_to=CommStats())
     restored.load_state_dict(torch.load(io.BytesIO(saved)))
     digests = [_digest(restored(_shard(w, ctx.rank, C))) for w in ws[save_at + 1:]
-               if restored.mark_weights_changed() is None]
+               if restored.mark_weights_changed(exact=False) is None]
     return ref_digests, digests
 
 
@@ -159,7 +159,7 @@ def _corrupt(ctx, numel, verify_every, corrupt_at, steps):
             wg.reference[0, 7] += 0.5  # rank 1's copy of R_1 no longer matches node 0's
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            wg.mark_weights_changed()  # reads what the last refresh found (see the test)
+            wg.mark_weights_changed(exact=False)  # reads what the last refresh found (see the test)
             out = wg(_shard(w, ctx.rank, C))
         warned.append(any(issubclass(c.category, ReferenceMismatchWarning) for c in caught))
         digests.append(_digest(out))
@@ -224,3 +224,40 @@ def test_ranks_that_disagree_fail_alike_with_the_setting_named(dist):
     assert "weights.bits: 4 on ranks [0, 1, 3]; 8 on ranks [2]" in errors[0]
     assert "dtype: 'torch.bfloat16' on ranks [0, 1, 2]; 'torch.float32' on ranks [3]" in errors[0]
     assert dist.run(_gather_built_with, 4, 2, [4] * 4, [torch.bfloat16] * 4) == [None] * 4
+
+
+def _jump(ctx, numel):
+    """A step-sized change, then a large jump marked with the default and with exact=False."""
+    topo = Topology.build(ctx.ranks_per_node)
+    wg = WeightGather(numel, topo, WeightsConfig(mode="diff"), record_to=CommStats())
+    C = wg.shard_numel
+    w0, w1 = _walk(numel, 2, 1e-3)
+    wg.mark_weights_changed(exact=False)
+    wg(_shard(w0, ctx.rank, C))  # the first refresh (always exact)
+    out = []
+    for exact in (None, False):
+        jumped = w1 + 10.0 * (1 if exact is None else -1)
+        wg.mark_weights_changed() if exact is None else wg.mark_weights_changed(exact=exact)
+        out.append(float((wg(_shard(jumped, ctx.rank, C)).float() - jumped[:numel]).abs().max()))
+    return out
+
+
+def test_mark_weights_changed_is_exact_by_default(dist):
+    """A change of unknown size (a loaded checkpoint, an edit by hand) marked without saying
+    otherwise reaches every rank bitwise; exact=False (the step hooks) sends a 4-bit difference."""
+    for default, quantized in dist.run(_jump, 2, 1, 4096 * 2):
+        assert default == 0.0 and quantized > 0.0
+
+
+def test_every_mark_weights_changed_has_the_same_default():
+    import inspect
+
+    pytest.importorskip("deepspeed")
+    import sdpq.fsdp
+    from sdpq.integrations._ds_adapter import DeepSpeedAdapter
+
+    defaults = {
+        inspect.signature(f).parameters["exact"].default
+        for f in (WeightGather.mark_weights_changed, sdpq.fsdp.mark_weights_changed, DeepSpeedAdapter.mark_weights_changed)
+    }
+    assert defaults == {True}

@@ -56,7 +56,7 @@ def _run(ctx, coalesced: bool, cfg_kwargs: dict, steps: int, dtype: torch.dtype,
     for t in range(steps):
         if t > 0:
             for g in gathers:
-                g.mark_weights_changed()
+                g.mark_weights_changed(exact=False)
         shards = [w[t][ctx.rank * g.shard_numel:(ctx.rank + 1) * g.shard_numel] for g, w in zip(gathers, walks)]
         outs = [torch.empty(g.padded_numel if padded else g.numel, dtype=dtype) for g in gathers]
         with _CountCalls() as counter:

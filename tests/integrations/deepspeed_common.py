@@ -9,7 +9,7 @@ import warnings
 import torch
 
 import sdpq.integrations.deepspeed as sds
-from sdpq.testing import reset_deepspeed_groups
+from benchmarks.zeropp.groups import reset_deepspeed_groups
 from sdpq.train.model import GPTConfig
 from sdpq.train.run import RunSpec
 

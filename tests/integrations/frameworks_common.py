@@ -91,7 +91,7 @@ def ranks_env(ctx) -> None:
     its logging quiet, and a fresh Accelerate state (its singletons outlive one run)."""
     import logging
 
-    from sdpq.testing import reset_deepspeed_groups
+    from benchmarks.zeropp.groups import reset_deepspeed_groups
 
     reset_deepspeed_groups()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

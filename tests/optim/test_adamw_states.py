@@ -1,5 +1,6 @@
 """sdpq.optim.AdamW: compressed state contents, memory, non-finite steps, argument errors."""
 import logging
+import re
 
 import pytest
 import torch
@@ -131,13 +132,18 @@ def test_non_finite_gradient_can_raise():
 
 def test_argument_errors_name_the_argument():
     p = torch.zeros(4, requires_grad=True)
-    cases = [(dict(states="int8"), "states='int8'"), (dict(master="fp32"), "master='fp32'"),
-             (dict(v_format="e3m4"), "v_format='e3m4'"), (dict(group_size=0), "group_size=0"),
-             (dict(betas=(0.9, 1.0)), "betas="), (dict(lr=-1.0), "lr=-1.0"),
+    cases = [(dict(states="int8"), "AdamW.states: invalid value 'int8'"),
+             (dict(master="fp32"), "AdamW.master: invalid value 'fp32'"),
+             (dict(v_format="e3m4"), "AdamW.v_format: invalid value 'e3m4'"),
+             (dict(group_size=0), "AdamW.group_size: invalid value 0"),
+             (dict(group_size=100), "AdamW.group_size: invalid value 100; allowed: a power of two"),
+             (dict(betas=(0.9, 1.0)), "AdamW.betas: invalid value (0.9, 1.0)"),
+             (dict(lr=-1.0), "AdamW.lr: invalid value -1.0"), (dict(lr=float("inf")), "AdamW.lr: invalid value inf"),
+             (dict(eps=float("nan")), "AdamW.eps: invalid value nan"),
              (dict(on_nonfinite="ignore"), "on_nonfinite='ignore'"), (dict(mcf_second_moment=1), "mcf_second_moment")]
     for kw, msg in cases:
         kw.setdefault("master", "native")
-        with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("[", r"\[")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
             AdamW([p], **kw)
     with pytest.raises(ValueError, match="master='mcf' needs bfloat16 parameters.*torch.float32"):
         AdamW([p], master="mcf")
@@ -178,3 +184,22 @@ def test_from_config_takes_the_sections_options():
     g = opt.param_groups[0]
     assert (g["states"], g["master"], g["group_size"], g["v_format"]) == ("bf16", "native", 64, "e5m2")
     assert (g["lr"], g["betas"], g["weight_decay"]) == (0.5, (0.8, 0.9), 0.0)
+
+
+def test_adamw_and_the_config_share_defaults_and_validation():
+    """sdpq.optim.AdamW takes its defaults from OptimizerConfig / ADAMW_HYPERPARAMETERS and refuses
+    what the config refuses, with the same message (its own key path)."""
+    import inspect
+
+    from sdpq.config import ADAMW_HYPERPARAMETERS, ConfigError, OptimizerConfig
+
+    params = inspect.signature(AdamW).parameters
+    assert {k: params[k].default for k in OptimizerConfig().adamw_options()} == OptimizerConfig().adamw_options()
+    assert {k: params[k].default for k in ADAMW_HYPERPARAMETERS} == ADAMW_HYPERPARAMETERS
+    p = torch.zeros(4, requires_grad=True)
+    for bad in ({"group_size": 100}, {"group_size": 8192}, {"states": "fp16"}, {"mcf_second_moment": "yes"}):
+        with pytest.raises(ConfigError) as from_config:
+            OptimizerConfig(**bad)
+        with pytest.raises(ConfigError) as from_class:
+            AdamW([p], master="native", **bad)
+        assert str(from_class.value) == str(from_config.value).replace("sdpq.optimizer.", "sdpq.optim.AdamW.")

@@ -217,7 +217,7 @@ def _train_fsdp(ctx):
 
 
 def _train_zero3(ctx):
-    from sdpq.testing import reset_deepspeed_groups
+    from benchmarks.zeropp.groups import reset_deepspeed_groups
     from sdpq.train import deepspeed_backend
 
     reset_deepspeed_groups()  # DeepSpeed caches the groups of an earlier run in this worker

@@ -161,7 +161,7 @@ def _train_deepspeed_in_nccl_mode(ctx):
     """deepspeed_backend.train in the same mode (DeepSpeed's own collectives are not checked)."""
     from collective_devices import CollectiveDeviceError, nccl_devices
 
-    from sdpq.testing import reset_deepspeed_groups
+    from benchmarks.zeropp.groups import reset_deepspeed_groups
 
     reset_deepspeed_groups()  # DeepSpeed caches the groups of an earlier run in this worker
     spec = RunSpec(backend="deepspeed", model=GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32), steps=2,

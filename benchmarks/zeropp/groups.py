@@ -1,4 +1,4 @@
-"""Helpers for sdpq's own tests and benchmarks (not used by the library, not public API).
+"""DeepSpeed's cached process groups, for sdpq's benchmarks and tests (not part of the library).
 
 ``reset_deepspeed_groups()`` forgets the process groups DeepSpeed caches in module globals
 (``deepspeed.utils.groups``). A real job builds one engine per process. A process that builds
