@@ -259,10 +259,12 @@ class OptimizerConfig(_Section):
 
     enabled: build sdpq.optim.AdamW (DeepSpeed: from the "optimizer" block's hyperparameters).
     states: "fp8" (COAT dynamic range expansion), "bf16" or "fp32" (reference).
-    master: "mcf" = bf16 parameter + bf16 compensation (Collage), "native" = the parameter's dtype.
+    master: "mcf" = bf16 parameter + bf16 compensation (Collage), "native" = the parameter's dtype
+        (the one meaning of "native" in sdpq; the compiled CPU kernels are "cpp": SDPQ_CPP).
     mcf_second_moment: keep v as a bf16 pair with an exact beta2 product (Collage "plus").
     group_size: FP8 expansion group (COAT: 128); a power of two, 16 to 4096.
     v_format: FP8 format of the second moment, "e4m3" or "e5m2".
+    sdpq.optim.AdamW takes the same defaults and refuses the same values (its checks are these).
     """
 
     enabled: bool = True

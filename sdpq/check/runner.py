@@ -52,7 +52,7 @@ def step_env(rehearse: bool) -> dict[str, str]:
     if not rehearse:
         # The CPU runs the GPU's results are compared with use the PyTorch reference: no C++
         # build (tens of seconds per library) inside a step's time limit.
-        env.setdefault("SDPQ_NATIVE", "0")
+        env.setdefault("SDPQ_CPP", "0")
     if rehearse:
         env["TRITON_INTERPRET"] = "1"
         env["SDPQ_TRITON"] = "interpret"

@@ -255,7 +255,7 @@ class SdpqAllReduceHook:
     def _all_reduce(self, reduce_output: torch.Tensor) -> None:
         if reduce_output.is_cuda:
             # Note: with 1-D FSDP, FSDP2 does not keep the reduce-scatter output alive for the
-            # all-reduce stream this hook runs on (it does for native HSDP); the caching
+            # all-reduce stream this hook runs on (it does for FSDP2's mesh HSDP); the caching
             # allocator must not hand its block to the next reduce-scatter before we are done.
             reduce_output.record_stream(torch.cuda.current_stream())
         self.comms.all_reduce(reduce_output)

@@ -53,7 +53,7 @@ __all__ = [
     "param_groups",
     "unsupported_reason",
     "shard_group",
-    "is_native_hsdp",
+    "is_mesh_hsdp",
     "sharded_params",
     "shard_numels",
     "shard_row_widths",
@@ -102,7 +102,7 @@ def shard_group(pg: ParamGroup) -> dist.ProcessGroup:
     return pg.mesh_info.shard_process_group
 
 
-def is_native_hsdp(pg: ParamGroup) -> bool:
+def is_mesh_hsdp(pg: ParamGroup) -> bool:
     """Sharded on a 2-D (replicate, shard) mesh: FSDP2 all-reduces across replicas itself."""
     return bool(pg._is_hsdp)
 

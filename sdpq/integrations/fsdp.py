@@ -26,7 +26,7 @@ warns (`StaleWeightsWarning`): the gathered weights are then the previous versio
 HSDP: 1-D `fully_shard` on the shard dim and `apply(..., replicate=mesh["replicate"])`: sdpq sums
 the reduce-scatter output across the replicate group itself (FSDP2's all-reduce hook, a
 `sdpq.comm.GradAllReduce`, bitwise equal on every replica) and FSDP2 divides by shard x replicate
-size. FSDP2's native 2-D HSDP all-reduces in full precision before any hook (without `replicate`
+size. FSDP2's own 2-D mesh HSDP all-reduces in full precision before any hook (without `replicate`
 it keeps working, unquantized); see docs/fsdp.md. Any shard group (FSDP x TP sub-meshes too)
 gets its node layout from `Topology.for_group`.
 
@@ -174,9 +174,9 @@ def _replicate_group(replicate, groups: list) -> tuple[Any, str | None]:
     for name, _, pg in groups:
         what = f"FSDP module {name or '<root>'}"
         shard = set(dist.get_process_group_ranks(fsdp_internals.shard_group(pg)))
-        if fsdp_internals.is_native_hsdp(pg):
+        if fsdp_internals.is_mesh_hsdp(pg):
             return group, (
-                f"sdpq.fsdp.apply: {what} is sharded on a 2-D mesh (native HSDP), whose replicate all-reduce "
+                f"sdpq.fsdp.apply: {what} is sharded on a 2-D mesh (FSDP2's mesh HSDP), whose replicate all-reduce "
                 "FSDP2 does itself; for sdpq's quantized one shard on the shard dimension only, "
                 "fully_shard(module, mesh=mesh['shard']), and pass replicate=mesh['replicate']"
             )

@@ -34,18 +34,40 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "enabled", "cache_dir", "NativeBuildWarning"]
+__all__ = ["load", "enabled", "cache_dir", "CppBuildWarning", "NativeBuildWarning", "ENV_VAR"]
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-class NativeBuildWarning(RuntimeWarning):
+class CppBuildWarning(RuntimeWarning):
     """The C++ kernels could not be built or loaded; the PyTorch reference path is used."""
 
 
+NativeBuildWarning = CppBuildWarning  # the earlier name, kept for code that filters it
+
+# Note: "native" names one thing in sdpq, the optimizer's master="native" (the parameter's own
+# dtype); the compiled CPU kernels are "cpp" (SDPQ_CPP, uses_cpp). SDPQ_NATIVE, the switch's
+# earlier name, still works and warns.
+ENV_VAR = "SDPQ_CPP"
+_OLD_ENV_VAR = "SDPQ_NATIVE"
+
+
+def _env(suffix: str = "") -> str | None:
+    """$SDPQ_CPP<suffix>, else the deprecated $SDPQ_NATIVE<suffix> (with a DeprecationWarning)."""
+    value = os.environ.get(ENV_VAR + suffix)
+    if value is None and os.environ.get(_OLD_ENV_VAR + suffix) is not None:
+        warnings.warn(
+            f"{_OLD_ENV_VAR + suffix} is deprecated: set {ENV_VAR + suffix} instead (same values)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        value = os.environ[_OLD_ENV_VAR + suffix]
+    return value
+
+
 def enabled() -> bool:
-    """False when SDPQ_NATIVE=0 (force the PyTorch reference on CPU)."""
-    return os.environ.get("SDPQ_NATIVE", "1") != "0"
+    """False when SDPQ_CPP=0 (force the PyTorch reference on CPU)."""
+    return _env() != "0"
 
 
 def cache_dir() -> Path:
@@ -122,7 +144,7 @@ def load(name: str) -> bool:
                 extra_ldflags=[],
                 build_directory=str(build),
                 is_python_module=False,
-                verbose=os.environ.get("SDPQ_NATIVE_VERBOSE") == "1",
+                verbose=_env("_VERBOSE") == "1",
             )
         return True
     except Exception as e:  # no compiler, no ninja, a failed build: the reference path still works
@@ -130,8 +152,8 @@ def load(name: str) -> bool:
             f"sdpq: the C++ CPU kernels '{name}' could not be built or loaded ({type(e).__name__}: "
             f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}); using the PyTorch "
             "reference path (same results, slower). Install a C++ compiler (g++) and ninja, "
-            "or set SDPQ_NATIVE=0 to silence this.",
-            NativeBuildWarning,
+            f"or set {ENV_VAR}=0 to silence this.",
+            CppBuildWarning,
             stacklevel=2,
         )
         return False

@@ -1,7 +1,7 @@
 """sdpq on multi-dimensional FSDP2 meshes, 4 gloo ranks as 2 nodes x 2:
 
 - HSDP (replicate across nodes, shard inside a node): 1-D fully_shard on the shard dim and
-  sdpq.fsdp.apply(replicate=...), against FSDP2's native HSDP (2-D mesh);
+  sdpq.fsdp.apply(replicate=...), against FSDP2's mesh HSDP (2-D mesh);
 - FSDP x TP on a (dp, tp) mesh: tensor-parallel MLPs inside a node, FSDP (with sdpq) across nodes.
 """
 
@@ -43,7 +43,7 @@ def _hsdp_mesh():
 
 
 def _hsdp_runs(ctx, configs, steps, spec_kw):
-    """Train under each config: None = FSDP2's native HSDP; a block = 1-D FSDP on the shard dim
+    """Train under each config: None = FSDP2's mesh HSDP; a block = 1-D FSDP on the shard dim
     + sdpq's replicate all-reduce."""
     from sdpq.train.fsdp_backend import train
 
@@ -63,7 +63,7 @@ def test_hsdp_replicate_all_reduce(dist, bf16):
     steps = 4
     res = dist.run(_hsdp_runs, WORLD, RPN, [None, EXACT, QUANT], steps, {"bf16": bf16}, timeout=150)
     native, exact, quant = (list(x) for x in zip(*res))  # [run][rank]
-    # sdpq's exact all-reduce (SUM, FSDP divides once by 4) equals native HSDP's AVG steps bitwise.
+    # sdpq's exact all-reduce (SUM, FSDP divides once by 4) equals FSDP2's mesh HSDP's AVG steps bitwise.
     assert exact[0]["losses"] == native[0]["losses"]
     assert [r["params"] for r in exact] == [r["params"] for r in native]
     # Quantized: both replicas' gathered weights are identical at every step (so are their shards:
@@ -113,7 +113,7 @@ def _refusals(ctx):
     mesh = _hsdp_mesh()
     flat = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
     cases = [
-        (mesh, mesh["replicate"]),  # native 2-D HSDP
+        (mesh, mesh["replicate"]),  # FSDP2's 2-D mesh HSDP
         (mesh["shard"], mesh["shard"]),  # the shard group as replicate group
         (flat["shard"], flat["replicate"]),  # shard groups of one rank
         (mesh["shard"], mesh["replicate"] if ctx.rank else None),  # rank 0 disagrees: an error, no hang
@@ -132,7 +132,7 @@ def _refusals(ctx):
 
 def test_refused_layouts(dist):
     errors = dist.run(_refusals, WORLD, RPN, timeout=60)[1]
-    assert "native HSDP" in errors[0] and "mesh['shard']" in errors[0]
+    assert "mesh HSDP" in errors[0] and "mesh['shard']" in errors[0]
     assert "must meet in this rank only" in errors[1]
     assert "sharded over one rank" in errors[2]
     assert errors[3] is not None and "replicate" in errors[3]  # every rank raises, none waits
@@ -145,7 +145,7 @@ def _fsdp_tp_run(ctx, cfg, steps, hsdp=False):
     """GPT with tensor-parallel MLPs (fc colwise, out rowwise) on the tp dim (inside a node) and
     FSDP on the dp dim (across nodes); every tp peer reads its dp rank's batch. hsdp (8 ranks as
     2 nodes x 4): a (replicate, shard, tp) mesh, FSDP on the shard dim with sdpq's replicate
-    all-reduce (plain: FSDP2's native HSDP on (replicate, shard))."""
+    all-reduce (plain: FSDP2's mesh HSDP on (replicate, shard))."""
     import hashlib
 
     import torch.distributed as dist

@@ -19,7 +19,7 @@ from sdpq.kernels import adamw_ops
 from sdpq.optim import AdamW, states
 
 if not adamw_ops.cpu_available():
-    pytest.skip("the C++ AdamW kernel could not be built (see the NativeBuildWarning)", allow_module_level=True)
+    pytest.skip("the C++ AdamW kernel could not be built (see the CppBuildWarning)", allow_module_level=True)
 
 LR, STEPS, G = 1e-2, 5, 128
 M_FORMATS = ("fp8", "bf16", "fp32")
@@ -283,7 +283,7 @@ def test_sdpq_native_0_turns_the_kernel_off():
     code = ("import torch; from sdpq.kernels import adamw_ops; from sdpq.optim import AdamW\n"
             "p = torch.nn.Parameter(torch.ones(2, 3, dtype=torch.bfloat16)); p.grad = torch.ones_like(p)\n"
             "AdamW([p]).step(); print(adamw_ops.cpu_available(), p.dtype)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SDPQ_NATIVE": "0"}, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SDPQ_CPP": "0"}, capture_output=True,
                          text=True, check=True, timeout=120)
     assert out.stdout.split() == ["False", "torch.bfloat16"]
 

@@ -6,7 +6,7 @@ import torch
 from sdpq.kernels import adamw_ops
 
 if not adamw_ops.cpu_available():
-    pytest.skip("the C++ AdamW kernel could not be built (see the NativeBuildWarning)", allow_module_level=True)
+    pytest.skip("the C++ AdamW kernel could not be built (see the CppBuildWarning)", allow_module_level=True)
 
 G = 16
 FP8 = ("e4m3", "e5m2")

@@ -28,7 +28,7 @@ from sdpq.quant.hadamard import signs
 from sdpq.quant.wire import unpack
 
 if not codec_ops.cpu_available():
-    pytest.skip("the C++ codec could not be built (see the NativeBuildWarning)", allow_module_level=True)
+    pytest.skip("the C++ codec could not be built (see the CppBuildWarning)", allow_module_level=True)
 
 OPS = torch.ops.sdpq
 
@@ -178,7 +178,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, "TRITON_INTERPRET": "0", "SDPQ_TRITON": "0", **env})
 
 
-def test_disabled_native_path_falls_back_to_the_reference():
+def test_disabled_cpp_path_falls_back_to_the_reference():
     res = _run("""
         import warnings, torch
         warnings.simplefilter("error")  # an explicit opt-out is not warned about
@@ -189,14 +189,14 @@ def test_disabled_native_path_falls_back_to_the_reference():
         got = F.encode_rows(x, QuantSpec(4, 128))[0]
         assert torch.equal(got, R.encode_rows_ref(x, QuantSpec(4, 128), None, 1, None, None, None)[0])
         print("ok")
-    """, SDPQ_NATIVE="0")
+    """, SDPQ_CPP="0")
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 
 def test_missing_compiler_warns_once_and_falls_back(tmp_path):
     res = _run("""
         import warnings, torch
-        from sdpq.kernels.native import NativeBuildWarning
+        from sdpq.kernels.native import CppBuildWarning
         from sdpq import kernels as F
         from sdpq.quant import QuantSpec, rows as R
         x = torch.randn(2, 4096)
@@ -204,7 +204,7 @@ def test_missing_compiler_warns_once_and_falls_back(tmp_path):
             warnings.simplefilter("always")
             for _ in range(3):
                 got = F.encode_rows(x, QuantSpec(4, 128))[0]
-        built = [m for m in w if issubclass(m.category, NativeBuildWarning)]
+        built = [m for m in w if issubclass(m.category, CppBuildWarning)]
         assert len(built) == 1 and "could not be built" in str(built[0].message), [str(m.message) for m in w]
         assert torch.equal(got, R.encode_rows_ref(x, QuantSpec(4, 128), None, 1, None, None, None)[0])
         print("ok")

@@ -6,7 +6,7 @@ import torch
 from sdpq.kernels import finite_ops
 
 if not finite_ops.cpu_available():
-    pytest.skip("the C++ kernel could not be built (see the NativeBuildWarning)", allow_module_level=True)
+    pytest.skip("the C++ kernel could not be built (see the CppBuildWarning)", allow_module_level=True)
 
 first_nonfinite = torch.ops.sdpq.first_nonfinite
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

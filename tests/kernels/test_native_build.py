@@ -23,8 +23,28 @@ def test_a_killed_build_does_not_hang_the_next(tmp_path, monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", build_call)
     native.load.cache_clear()
     try:
-        with pytest.warns(native.NativeBuildWarning, match="no compiler in this test"):
+        with pytest.warns(native.CppBuildWarning, match="no compiler in this test"):
             assert native.load("finite") is False
     finally:
         native.load.cache_clear()  # the next caller loads the real library again
     assert seen == [False]
+
+
+def test_sdpq_cpp_switches_the_cpp_kernels_and_sdpq_native_still_does_with_a_warning(monkeypatch):
+    import warnings
+
+    monkeypatch.delenv("SDPQ_NATIVE", raising=False)
+    monkeypatch.delenv("SDPQ_CPP", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.enabled()
+        monkeypatch.setenv("SDPQ_CPP", "0")
+        assert not native.enabled()
+    monkeypatch.delenv("SDPQ_CPP")
+    monkeypatch.setenv("SDPQ_NATIVE", "0")
+    with pytest.warns(DeprecationWarning, match="SDPQ_NATIVE is deprecated: set SDPQ_CPP"):
+        assert not native.enabled()
+    monkeypatch.setenv("SDPQ_CPP", "1")  # the new name wins, and nothing warns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.enabled()

@@ -11,7 +11,7 @@ from sdpq.optim import AdamW, states
 from sdpq.optim.native_args import NativeArgs
 
 if not adamw_ops.cpu_available():
-    pytest.skip("the C++ AdamW kernel could not be built (see the NativeBuildWarning)", allow_module_level=True)
+    pytest.skip("the C++ AdamW kernel could not be built (see the CppBuildWarning)", allow_module_level=True)
 
 
 def _params(n=3, shape=(4, 256)):
