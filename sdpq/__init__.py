@@ -1,24 +1,26 @@
 """sdpq: sharded data-parallel quantization for DeepSpeed ZeRO-3 and PyTorch FSDP2.
 
-Public surface: ``sdpq.Config`` (and ``ConfigError``), ``sdpq.stats``, the sub-packages
-``sdpq.quant`` (math), ``sdpq.comm`` (collectives), ``sdpq.optim`` (compressed AdamW) and the
-integrations ``sdpq.fsdp`` / ``sdpq.deepspeed`` / ``sdpq.hf`` (imported lazily: each pulls in its
-framework). docs/api.md lists what each exports.
+The front door (``__all__``) is what a training script needs: ``sdpq.Config``, ``sdpq.fsdp.apply``
+or ``sdpq.deepspeed.initialize``, ``sdpq.optim.AdamW``, ``sdpq.stats`` and
+``sdpq.mark_weights_changed``. The rest stays importable (``sdpq.quant`` math, ``sdpq.comm``
+collectives, ``sdpq.kernels``, ``sdpq.hf``, ...) and is listed under "Advanced" in docs/api.md.
+Sub-packages are imported lazily: each integration pulls in its framework.
 """
 
 import importlib
 
 from ._version import __version__
 from .config import Config, ConfigError
-from .integrations import install_deepspeed_hook
+from .integrations import install_deepspeed_hook, mark_weights_changed
 
-__all__ = ["Config", "ConfigError", "stats", "quant", "comm", "optim", "fsdp", "deepspeed", "hf", "__version__"]
+__all__ = ["Config", "ConfigError", "fsdp", "deepspeed", "optim", "stats", "mark_weights_changed", "__version__"]
 
 _LAZY = {
     "stats": "sdpq.stats",
     "quant": "sdpq.quant",
     "comm": "sdpq.comm",
     "optim": "sdpq.optim",
+    "kernels": "sdpq.kernels",
     "fsdp": "sdpq.fsdp",
     "deepspeed": "sdpq.deepspeed",
     "hf": "sdpq.hf",

@@ -8,8 +8,31 @@ here, without importing torch.distributed or DeepSpeed: the DeepSpeed config che
 `sdpq config --check` runs, and the post-import hook `import sdpq` installs.
 """
 
+import sys
+
 from ._ds_config import IncompatibleConfigError
 from ._ds_config import check_config as check_deepspeed_config
 from ._ds_hook import install as install_deepspeed_hook
 
-__all__ = ["IncompatibleConfigError", "check_deepspeed_config", "install_deepspeed_hook"]
+__all__ = ["IncompatibleConfigError", "check_deepspeed_config", "install_deepspeed_hook", "mark_weights_changed"]
+
+
+def mark_weights_changed(target, *, exact: bool = True) -> None:
+    """The weights of `target` changed outside a hooked optimizer step (edited by hand, loaded
+    without sdpq's state): the next gather refreshes the weight reference, exactly by default.
+    `target`: an FSDP2 model after sdpq.fsdp.apply or a DeepSpeed engine from
+    sdpq.deepspeed.initialize. Call it on every rank alike."""
+    # Only an integration that is imported can have built `target`: look in those alone, so
+    # this call imports no framework.
+    fsdp = sys.modules.get(__name__ + ".fsdp")
+    if fsdp is not None and fsdp.is_applied(target):
+        fsdp.mark_weights_changed(target, exact=exact)
+        return
+    ds = sys.modules.get(__name__ + "._ds_adapter")
+    if ds is not None and isinstance(getattr(target, "sdpq", None), ds.DeepSpeedAdapter):
+        target.sdpq.mark_weights_changed(exact=exact)
+        return
+    raise TypeError(
+        f"sdpq.mark_weights_changed: {type(target).__name__} has no sdpq weight gathers; expected an "
+        "FSDP2 model after sdpq.fsdp.apply or a DeepSpeed engine from sdpq.deepspeed.initialize"
+    )

@@ -229,6 +229,7 @@ def _misuse(ctx):
     import torch.distributed as tdist
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
+    import sdpq
     from sdpq.integrations import fsdp as sf
     from sdpq.train.fsdp_backend import build_model
     from sdpq.train.model import GPT, GPTConfig
@@ -275,7 +276,7 @@ def _misuse(ctx):
     assert any(issubclass(i.category, sf.StaleWeightsWarning) for i in w), [str(i.message) for i in w]
     full = model.blocks[0].fc.weight.full_tensor()
     assert not torch.equal(seen[-1], full)
-    sf.mark_weights_changed(model)
+    sdpq.mark_weights_changed(model)  # the front door: finds sdpq.fsdp, which built the model
     model(x, y)
     assert torch.equal(seen[-1], full)
     hook.remove()
