@@ -279,7 +279,7 @@ def test_kernels_disabled_or_unavailable_take_the_reference_path(monkeypatch):
     assert len(calls) == 1
 
 
-def test_sdpq_native_0_turns_the_kernel_off():
+def test_sdpq_cpp_0_turns_the_kernel_off():
     code = ("import torch; from sdpq.kernels import adamw_ops; from sdpq.optim import AdamW\n"
             "p = torch.nn.Parameter(torch.ones(2, 3, dtype=torch.bfloat16)); p.grad = torch.ones_like(p)\n"
             "AdamW([p]).step(); print(adamw_ops.cpu_available(), p.dtype)")
