@@ -2,7 +2,7 @@
 PyTorch reference, their throughput next to a copy, and the codec's time per training step.
 
 The comparisons are the ones tests/kernels holds the kernels to: nearest rounding bitwise equal
-to the reference (`sdpq.quant.fused`'s PyTorch composition), stochastic rounding within one
+to the reference (`sdpq.quant.rows`, the PyTorch composition), stochastic rounding within one
 quantization step per element and unbiased, AdamW within a bf16-pair ulp (weights) and one
 E4M3 step (moments).
 """

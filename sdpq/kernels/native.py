@@ -14,7 +14,7 @@ behind when a build is killed (Ctrl-C, a timeout, a killed rank), and every late
 hang on it. Under sdpq's ``flock`` nobody else is building in that folder, so such a file is
 stale and is removed before building.
 
-Without a working C++ compiler, or with ``SDPQ_NATIVE=0``, ``load`` warns once and returns
+Without a working C++ compiler, or with ``SDPQ_CPP=0``, ``load`` warns once and returns
 False: callers then run the PyTorch reference, which computes the same thing more slowly.
 
 Note: kernels are compiled with ``-march=native``; the cache key includes the CPU flags so a
