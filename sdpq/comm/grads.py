@@ -24,7 +24,6 @@ Note (own rows): a rank's own contribution to its own chunk is summed exactly, n
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -49,11 +48,6 @@ from .topology import Topology
 __all__ = ["GradReduceScatter"]
 
 _NAN = float("nan")
-
-
-def _digest(runs: tuple) -> str:
-    """A short fingerprint of a placement, for the agreement check."""
-    return hashlib.sha256(repr(runs).encode()).hexdigest()[:16]
 
 
 class _Call(NamedTuple):
@@ -142,7 +136,7 @@ class GradReduceScatter:
                 "gradients": dataclasses.asdict(c),
                 "numel": numel,
                 "layout": topo.layout,
-                "placement": None if lay.placement is None else _digest(lay.placement.runs),
+                "placement": None if lay.placement is None else lay.placement.digest(),
             },
             topo.world_group,
         )

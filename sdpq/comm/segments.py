@@ -22,15 +22,20 @@ rows of the same parameter (never with another parameter's).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from ..quant import QuantSpec
+
 __all__ = [
     "Segment",
     "BucketLayout",
     "aligned_layout",
+    "aligned_group_spec",
     "row_block",
     "sharded_segments",
     "interleaved_segments",
@@ -58,6 +63,10 @@ class BucketLayout(NamedTuple):
     padded_chunk: int
     block: int  # the Hadamard block the layout keeps inside rows (1: no transform)
     runs: tuple[tuple[tuple[int, int, int], ...], ...]  # per chunk: (src offset, dst offset, length)
+
+    def digest(self) -> str:
+        """A short fingerprint, for the agreement check (every rank must place alike)."""
+        return hashlib.sha256(repr(self.runs).encode()).hexdigest()[:16]
 
     @property
     def shared(self) -> bool:
@@ -192,3 +201,24 @@ def cut_segments(segments: Sequence[Segment], numel: int, world_size: int) -> li
                 segs.append(Segment(a - lo, b - a, s.width, phase))
         out.append(segs)
     return out
+
+
+def aligned_group_spec(
+    spec: QuantSpec, segments: Sequence[Segment], shard_numel: int
+) -> tuple[QuantSpec, BucketLayout]:
+    """One shard (a weight gather's: the same segments on every rank) with every group inside one
+    parameter: each parameter's run starts a fresh group.
+    Of the group sizes from the configured one down to 32, the one that sends the fewest bytes
+    (small parameters, norms and biases, waste less padding on smaller groups; a smaller group
+    is never less precise)."""
+    best = None
+    g = spec.group_size
+    while g >= 32:
+        placement, _ = aligned_layout([segments], shard_numel, g, 1, 1)
+        s = dataclasses.replace(spec, group_size=g)
+        cost = s.wire_bytes(placement.padded_chunk)
+        if best is None or cost < best[0]:
+            best = (cost, s, placement)
+        g //= 2
+    assert best is not None
+    return best[1], best[2]

@@ -42,29 +42,11 @@ from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
 from .agreement import check_agreement
 from .device_flag import DeviceFlag
-from .segments import BucketLayout, Segment, aligned_layout
+from .segments import BucketLayout, Segment, aligned_group_spec
 from .stats import CommStats, Recorder
 from .topology import Topology
 
 __all__ = ["WeightGather", "ReferenceMismatchWarning"]
-
-
-def _aligned_spec(spec: QuantSpec, segments: Sequence[Segment], shard_numel: int) -> tuple[QuantSpec, BucketLayout]:
-    """Every group inside one parameter: each parameter's run of the shard starts a fresh group.
-    Of the group sizes from the configured one down to 32, the one that sends the fewest bytes
-    (small parameters, norms and biases, waste less padding on smaller groups; a smaller group
-    is never less precise)."""
-    best = None
-    g = spec.group_size
-    while g >= 32:
-        placement, _ = aligned_layout([segments], shard_numel, g, 1, 1)
-        s = dataclasses.replace(spec, group_size=g)
-        cost = s.wire_bytes(placement.padded_chunk)
-        if best is None or cost < best[0]:
-            best = (cost, s, placement)
-        g //= 2
-    assert best is not None
-    return best[1], best[2]
 
 
 class ReferenceMismatchWarning(RuntimeWarning):
@@ -124,7 +106,7 @@ class WeightGather:
         )
         self.placement: BucketLayout | None = None  # where the shard's parameters lie on the wire
         if segments is not None and c.mode != "exact":
-            self.spec, self.placement = _aligned_spec(self.spec, segments, self.shard_numel)
+            self.spec, self.placement = aligned_group_spec(self.spec, segments, self.shard_numel)
         check_agreement(
             "WeightGather",
             {
@@ -133,7 +115,7 @@ class WeightGather:
                 "dtype": str(dtype),
                 "reference_dtype": str(reference_dtype),
                 "layout": topology.layout,
-                "placement": None if self.placement is None else (self.spec.group_size, self.placement.runs),
+                "placement": None if self.placement is None else (self.spec.group_size, self.placement.digest()),
             },
             topology.world_group,
         )
