@@ -38,8 +38,8 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 from sdpq.launch.local import LAUNCHERS, run_local  # noqa: E402
 from sdpq.train.run import RunSpec  # noqa: E402
-
 from sdpq.train.settings import EXACT  # noqa: E402 (bitwise the plain framework, bytes counted)
+
 FULL = {"weights": {"mode": "diff"}, "gradients": {"mode": "two_level"},
         "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"},
         "workarounds": {"deepspeed_alias_bf16_master": True}}
@@ -176,7 +176,8 @@ def main(argv=None) -> int:
             r = launch(spec, args.launcher, 4, workdir, name, args.timeout, overrides)
             results[name] = r
             losses = [x for x in r["losses"] if not math.isnan(x)]
-            print(f"   last-{LAST} loss {sum(losses[-LAST:]) / len(losses[-LAST:]):.5f}  val {r['val_loss']:.5f}  {r['step_seconds']:.3f} s/step  "
+            print(f"   last-{LAST} loss {sum(losses[-LAST:]) / len(losses[-LAST:]):.5f}  val {r['val_loss']:.5f}  "
+                  f"{r['step_seconds']:.3f} s/step  "
                   f"cross-node {r['cross_node_bytes_per_step'] / 1e6:.3f} MB/step  "
                   f"optimizer {r['optimizer_bytes_per_param']:.2f} B/param  ({r['launch_seconds']:.0f} s)", flush=True)
     finally:

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                             except RuntimeError as e:
                                 print(f"    attempt {attempt}: {e}", flush=True)
                                 if attempt == 2:
-                                    raise SystemExit(1)
+                                    raise SystemExit(1) from e
                         rec["attempts"] = attempt
                         print(f"    {BACKENDS[backend]:<7} {arm:<8} {rec['step_seconds']:.3f} s/step  "
                               f"link {rec['link_MB_per_step']:.2f} MB/step", flush=True)

@@ -44,6 +44,7 @@ from sdpq.launch.local import run_local  # noqa: E402
 
 WORLD, RPN = 4, 2
 from sdpq.train.settings import EXACT  # noqa: E402 (bitwise the plain framework, bytes counted)
+
 OFF = EXACT
 WEIGHTS = {"mode": "diff", "bits": 4}
 GRADS = {"mode": "two_level", "intra_bits": 8, "inter_bits": 4, "hadamard": True}

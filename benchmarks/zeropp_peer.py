@@ -191,7 +191,7 @@ def summarize(results: dict, steps: int) -> dict:
     s: dict = {"layout": "4 gloo ranks = 2 simulated nodes x 2 (node = rank // 2), one machine", "arms": arms}
     if "zero3" in arms:
         b = arms["zero3"]
-        for a, x in arms.items():
+        for x in arms.values():
             x["cross_node_ratio_vs_zero3"] = x["cross_node_bytes_per_step"] / b["cross_node_bytes_per_step"]
             x["intra_node_ratio_vs_zero3"] = x["intra_node_bytes_per_step"] / b["intra_node_bytes_per_step"]
             x["steady_cross_node_ratio_vs_zero3"] = (x["steady_cross_node_bytes_per_step"]

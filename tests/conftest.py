@@ -18,9 +18,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-import pytest  # noqa: E402
-
 import harness as _harness  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

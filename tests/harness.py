@@ -34,9 +34,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
-
+from typing import Any
 
 
 def _grace_s(timeout: float) -> float:

@@ -1,5 +1,6 @@
 """Strict config: every error names the key path, the value and what is allowed."""
 
+import dataclasses
 import json
 import re
 
@@ -108,7 +109,7 @@ def test_from_deepspeed_reads_only_the_sdpq_block(tmp_path):
 
 def test_frozen_and_replace():
     c = Config()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.weights.bits = 8  # type: ignore[misc]
     c2 = c.replace(weights={"mode": "exact"}, gradients={"hadamard": False})
     assert c2.weights.mode == "exact" and not c2.gradients.hadamard and c.weights.mode == "diff"

@@ -4,11 +4,10 @@ import os
 import time
 from datetime import timedelta
 
+import harness
 import pytest
 import torch
 import torch.distributed as dist_
-
-import harness
 
 
 def _identity(ctx, scale):

@@ -133,7 +133,7 @@ class LinkBytes:
 
     # -------------------------------------------------------------- install / remove
 
-    def install(self) -> "LinkBytes":
+    def install(self) -> LinkBytes:
         from torch._C._distributed_c10d import ProcessGroup
 
         if self._undo:
@@ -151,7 +151,7 @@ class LinkBytes:
             cls, name, orig = self._undo.pop()
             setattr(cls, name, orig)
 
-    def __enter__(self) -> "LinkBytes":
+    def __enter__(self) -> LinkBytes:
         return self.install()
 
     def __exit__(self, *exc) -> None:

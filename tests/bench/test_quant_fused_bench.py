@@ -2,8 +2,8 @@
 
 import torch
 
-from sdpq.bench import quant_fused
 from sdpq import kernels as F
+from sdpq.bench import quant_fused
 
 
 def test_records_for_every_op_on_cpu():

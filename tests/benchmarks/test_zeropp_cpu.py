@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# Imported before the worker pools fork, so that ranks do not each import them (~10 s).
+import deepspeed.runtime.comm.coalesced_collectives  # noqa: E402,F401,F811
+import deepspeed.runtime.zero.stage3  # noqa: E402,F401
+
 from benchmarks.zeropp import cpu_kernels as K  # noqa: E402
 from benchmarks.zeropp.bytes import LinkBytes, sum_over_ranks, training_window  # noqa: E402
-
-# Imported before the worker pools fork, so that ranks do not each import them (~10 s).
-import deepspeed.runtime.comm.coalesced_collectives  # noqa: E402,F401
-import deepspeed.runtime.zero.stage3  # noqa: E402,F401
 
 SYM = K.QuantType.Symmetric
 TIMEOUT = 120
@@ -290,7 +290,8 @@ def test_zeropp_zero3_trains_on_two_simulated_nodes(dist):
 
     print(f"losses zero++ {[round(x, 3) for x in z['losses']]}\n       zero-3 {[round(x, 3) for x in base[0]['losses']]}")
     for path in ("weights", "gradients", "other"):
-        print(f"{path:9s} inter-node bytes/step zero++ {inter(zb, path) / steps:10.0f}  zero-3 {inter(bb, path) / steps:10.0f}")
+        print(f"{path:9s} inter-node bytes/step zero++ {inter(zb, path) / steps:10.0f}  "
+              f"zero-3 {inter(bb, path) / steps:10.0f}")
 
     # Steady state (step 1 is special: ZeRO++'s first forward uses the hpZ copies made at init).
     # qwZ: the forward gather is int8 (+ scales) instead of bf16; hpZ: the backward gather stays

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 import torch.distributed as torch_dist
-
 from comm_reference import all_inputs
+
 from sdpq.comm import CommStats, GradAllReduce, GradReduceScatter, Topology
 from sdpq.config import GradientsConfig
 from sdpq.quant import hadamard

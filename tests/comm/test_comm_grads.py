@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.distributed as torch_dist
-
 from comm_reference import all_inputs, check_bound, exact_chunk, rs_error_bound
+
 from sdpq.comm import CommStats, GradReduceScatter, Topology
 from sdpq.config import GradientsConfig
 

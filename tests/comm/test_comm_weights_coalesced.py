@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from sdpq.comm import _exchange
-from sdpq.comm import CommStats, Topology, WeightGather, gather_coalesced
+
+from sdpq.comm import CommStats, Topology, WeightGather, _exchange, gather_coalesced
 from sdpq.config import WeightsConfig
 
 # Buckets of several sizes: a tiny one (a bias), one that pads its last shard, a large one.

@@ -17,8 +17,21 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # both arms of a framework run (about a minute each); CI runs them
 pytest.importorskip("accelerate")
 
-from frameworks_common import (BLOCK, preload, LR, MICRO, STEPS, cross_node_bytes, meter,  # noqa: E402
-                               ranks_env, run_both_arms, samples, tiny_gpt2, warmup_decay, write_ds_config)
+from frameworks_common import (  # noqa: E402
+    BLOCK,
+    LR,
+    MICRO,
+    STEPS,
+    cross_node_bytes,
+    meter,
+    preload,
+    ranks_env,
+    run_both_arms,
+    samples,
+    tiny_gpt2,
+    warmup_decay,
+    write_ds_config,
+)
 
 preload("accelerate", "accelerate.utils")
 TIMEOUT = 300
@@ -27,10 +40,11 @@ TIMEOUT = 300
 def _accelerate_fn(ctx, out_dir, with_block):
     import os
 
-    import sdpq  # noqa: F401  (the one line)
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+
+    import sdpq  # noqa: F401  (the one line)
 
     ranks_env(ctx)
     path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None)
@@ -66,10 +80,11 @@ def test_accelerate_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
 
 
 def _accelerate_fsdp2_fn(ctx, out_dir, with_sdpq):
-    import sdpq
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    import sdpq
 
     ranks_env(ctx)
     model = tiny_gpt2()

@@ -14,15 +14,14 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed")
 
+# deepspeed.runtime.zero.stage3 and torch._dynamo are imported here, before the worker pools fork, so that
+# ranks do not each import them (~10 s).
+import deepspeed.runtime.zero.stage3  # noqa: E402,F401,F811
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401
+from deepspeed_common import EXACT, FULL_BLOCK, SPEC, TIMEOUT, TINY, build_engine, fresh_deepspeed, run4, train_fn  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
-from deepspeed_common import (EXACT, FULL_BLOCK, SPEC, TIMEOUT, TINY, build_engine,  # noqa: E402
-                              fresh_deepspeed, run4, train_fn)
-
-# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
-import deepspeed.runtime.zero.stage3  # noqa: E402,F401
-import torch._dynamo  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------- exact = plain ZeRO-3
 
@@ -168,7 +167,9 @@ def _capture(engine) -> dict:
     names = {id(p): n for n, p in engine.module.named_parameters()}  # a tied weight has one name
     for m in engine.module.modules():
         for p in m.parameters(recurse=False):
-            def hook(mod, args, p=p, key=names[id(p)]):
+            key = names[id(p)]
+
+            def hook(mod, args, p=p, key=key):
                 seen.setdefault(key, []).append(p.detach().clone())
             m.register_forward_pre_hook(hook)
     return seen

@@ -14,15 +14,14 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed")
 
+# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
+import deepspeed.runtime.zero.stage3  # noqa: E402,F401,F811
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 from collective_devices import STANDIN, device_of, nccl_devices  # noqa: E402
 from deepspeed_common import build_engine, fresh_deepspeed, train_steps  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
-
-# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
-import deepspeed.runtime.zero.stage3  # noqa: E402,F401
 
 BLOCK = {"weights": {"mode": "diff"}, "gradients": {"error_feedback": True}, "optimizer": {"master": "native"}}
 OFFLOAD = {

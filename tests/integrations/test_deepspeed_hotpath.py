@@ -21,12 +21,11 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed")
 
+# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
+import deepspeed.runtime.zero.stage3  # noqa: E402,F401,F811
 from deepspeed_common import FULL_BLOCK, build_engine, fresh_deepspeed, train_steps  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
-
-# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
-import deepspeed.runtime.zero.stage3  # noqa: E402,F401
 
 WORLD, RPN = 4, 2
 SAMPLED = {

@@ -10,14 +10,13 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed")
 
+# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
+import deepspeed.runtime.zero.stage3  # noqa: E402,F401,F811
 import torch  # noqa: E402
+from deepspeed_common import FULL_BLOCK, SPEC, TIMEOUT, ZERO, run4, train_fn  # noqa: E402
 
 import sdpq  # noqa: E402
 import sdpq.integrations.deepspeed as sds  # noqa: E402
-from deepspeed_common import FULL_BLOCK, SPEC, TIMEOUT, ZERO, run4, train_fn  # noqa: E402
-
-# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
-import deepspeed.runtime.zero.stage3  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("option", ["offload_optimizer", "offload_param"])

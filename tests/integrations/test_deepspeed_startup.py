@@ -11,14 +11,13 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed")
 
+# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
+import deepspeed.runtime.zero.stage3  # noqa: E402,F401,F811
 import torch  # noqa: E402
+from deepspeed_common import FULL_BLOCK, SPEC, TIMEOUT, TINY, ZERO, build_engine, fresh_deepspeed  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
-from deepspeed_common import FULL_BLOCK, SPEC, TIMEOUT, TINY, ZERO, build_engine, fresh_deepspeed  # noqa: E402
 from sdpq.config import ConfigError  # noqa: E402
-
-# Imported here, before the worker pools fork, so that ranks do not each import them (~10 s).
-import deepspeed.runtime.zero.stage3  # noqa: E402,F401
 
 
 def _disagree_fn(ctx):

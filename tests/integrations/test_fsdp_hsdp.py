@@ -101,14 +101,12 @@ def test_hsdp_dcp_resume_is_bitwise(dist, tmp_path):
 
 
 def _refusals(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import sdpq
-    from sdpq.train.model import GPT, GPTConfig
-
-    from torch.distributed.device_mesh import init_device_mesh
-
     from sdpq.config import ConfigError
+    from sdpq.train.model import GPT, GPTConfig
 
     mesh = _hsdp_mesh()
     flat = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))

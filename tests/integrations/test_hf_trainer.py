@@ -13,17 +13,30 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # both arms of a framework run (about a minute each); CI runs them
 pytest.importorskip("accelerate")
 
-from frameworks_common import (BLOCK, preload, LR, MICRO, STEPS, cross_node_bytes, meter, ranks_env, run_both_arms,  # noqa: E402
-                               samples, tiny_gpt2, write_ds_config)
+from frameworks_common import (  # noqa: E402
+    BLOCK,
+    LR,
+    MICRO,
+    STEPS,
+    cross_node_bytes,
+    meter,
+    preload,
+    ranks_env,
+    run_both_arms,
+    samples,
+    tiny_gpt2,
+    write_ds_config,
+)
 
 preload("deepspeed.runtime.zero.stage3", "transformers.trainer", "accelerate")
 TIMEOUT = 300
 
 
 def _trainer_fn(ctx, out_dir, with_block):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
     import sdpq  # (the one line: deepspeed.initialize now applies the block)
     import sdpq.hf
-    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     ranks_env(ctx)
     path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None, hf_auto=True)

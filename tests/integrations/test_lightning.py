@@ -18,8 +18,21 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # both arms of a framework run (about a minute each); CI runs them
 pytest.importorskip("lightning")
 
-from frameworks_common import (BLOCK, preload, LR, MICRO, STEPS, cross_node_bytes, meter,  # noqa: E402
-                               ranks_env, run_both_arms, samples, tiny_gpt2, warmup_decay, write_ds_config)
+from frameworks_common import (  # noqa: E402
+    BLOCK,
+    LR,
+    MICRO,
+    STEPS,
+    cross_node_bytes,
+    meter,
+    preload,
+    ranks_env,
+    run_both_arms,
+    samples,
+    tiny_gpt2,
+    warmup_decay,
+    write_ds_config,
+)
 
 preload("lightning.pytorch", "lightning.pytorch.strategies")
 TIMEOUT = 300
@@ -50,11 +63,11 @@ def _lightning_fn(ctx, out_dir, with_block):
     import logging
 
     import lightning.pytorch as pl
-    import sdpq  # noqa: F401  (the one line)
+    import lightning.pytorch.strategies.deepspeed as lightning_ds
     import torch
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-    import lightning.pytorch.strategies.deepspeed as lightning_ds
+    import sdpq  # noqa: F401  (the one line)
 
     class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         def setup_environment(self) -> None:
@@ -103,10 +116,11 @@ def _lightning_fsdp2_fn(ctx, out_dir, with_sdpq):
     import logging
 
     import lightning.pytorch as pl
-    import sdpq
     import torch
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import sdpq
 
     class LitGPT(_lit_gpt(ctx)):
         def configure_model(self):

@@ -18,8 +18,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from sdpq.kernels.adamw import _e4m3_table, _encode_e4m3, adamw_fp8_mcf_step  # noqa: E402
-from sdpq.optim import AdamW  # noqa: E402
-from sdpq.optim import states  # noqa: E402
+from sdpq.optim import AdamW, states  # noqa: E402
 from sdpq.optim.layout import rows  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -63,7 +62,7 @@ def test_fused_step_matches_pytorch_path(shape):
         st = opts[1]._state_for(p_ker, opts[1].param_groups[0])
         st["step"] += 1
 
-        def moment(name):
+        def moment(name, st=st):
             codes = rows(st[name + "_codes"])
             return (codes,) + tuple(st[name + s].reshape(codes.shape[0], -1) for s in ("_scale", "_k", "_gm"))
 

@@ -19,8 +19,10 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py 
 
 from sdpq.kernels import codec  # noqa: E402
 from sdpq.quant import QuantSpec  # noqa: E402
-from sdpq.quant.rows import decode_rows_ref as _decode_rows_ref, encode_rows_ref as _encode_rows_ref, reduce_rows_ref as _reduce_rows_ref  # noqa: E402
 from sdpq.quant.hadamard import signs  # noqa: E402
+from sdpq.quant.rows import decode_rows_ref as _decode_rows_ref  # noqa: E402
+from sdpq.quant.rows import encode_rows_ref as _encode_rows_ref  # noqa: E402
+from sdpq.quant.rows import reduce_rows_ref as _reduce_rows_ref  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 

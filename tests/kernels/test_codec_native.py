@@ -22,9 +22,11 @@ import torch
 
 from sdpq.kernels import codec_ops
 from sdpq.quant import QuantSpec
-from sdpq.quant.rows import decode_rows_ref as _decode_rows_ref, encode_rows_ref as _encode_rows_ref, reduce_rows_ref as _reduce_rows_ref
 from sdpq.quant.groupwise import dequantize
 from sdpq.quant.hadamard import signs
+from sdpq.quant.rows import decode_rows_ref as _decode_rows_ref
+from sdpq.quant.rows import encode_rows_ref as _encode_rows_ref
+from sdpq.quant.rows import reduce_rows_ref as _reduce_rows_ref
 from sdpq.quant.wire import unpack
 
 if not codec_ops.cpu_available():

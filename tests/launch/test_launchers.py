@@ -52,7 +52,8 @@ def test_deepspeed_hostfile_ssh_and_no_ssh(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("# comment\nnodeA slots=4\nnodeB slots=4\n")
     line = _dry_run("deepspeed_hostfile.sh", "--config", "x.json", HOSTFILE=str(hosts), MASTER_ADDR="nodeA")
-    assert f"/deepspeed --hostfile={hosts} --master_addr=nodeA --master_port=29500 --module sdpq.train --backend deepspeed --config x.json" in line
+    assert (f"/deepspeed --hostfile={hosts} --master_addr=nodeA --master_port=29500 "
+            "--module sdpq.train --backend deepspeed --config x.json") in line
     assert "--no_ssh" not in line
     line = _dry_run("deepspeed_hostfile.sh", HOSTFILE=str(hosts), MASTER_ADDR="nodeA", NODE_RANK="1")
     assert "--no_ssh --node_rank=1" in line

@@ -6,8 +6,8 @@ in fp64 from the parameters' values so the only difference between runs is the o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -5,8 +5,8 @@ import io
 
 import pytest
 import torch
-
 from optim_problems import mlp, set_grads
+
 from sdpq.optim import AdamW
 from sdpq.optim import states as S
 

@@ -4,8 +4,8 @@ import re
 
 import pytest
 import torch
-
 from optim_problems import mlp, set_grads, train
+
 from sdpq.kernels import finite_ops
 from sdpq.optim import AdamW, memory_report
 from sdpq.optim import states as S
@@ -25,7 +25,7 @@ def test_expansion_reduces_state_quantization_error_on_real_adam_states():
         xs = [opt.state[p][name] for p in params]  # quantized per parameter, as the optimizer does
         x = torch.cat([t.flatten() for t in xs])
         for fmt in ("e4m3", "e5m2"):
-            def roundtrip(expand):
+            def roundtrip(expand, fmt=fmt, xs=xs):
                 return torch.cat([dequantize_fp8(quantize_fp8(t, fmt, expand=expand)).flatten() for t in xs])
 
             e_exp, e_plain = rel_err(x, roundtrip(True)), rel_err(x, roundtrip(False))

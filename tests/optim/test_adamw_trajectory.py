@@ -1,8 +1,8 @@
 """Trajectories of sdpq.optim.AdamW against an fp64 torch AdamW reference."""
 import pytest
 import torch
-
 from optim_problems import least_squares, mlp, set_grads, train
+
 from sdpq.optim import AdamW
 from sdpq.optim import states as S
 
@@ -75,8 +75,8 @@ def test_mcf_master_tracks_fp64_where_plain_bf16_stalls():
                          torch.bfloat16, **kw)
     assert torch.equal(plain[0].detach(), W0_bf16) and torch.equal(native[0].detach(), W0_bf16)  # stalled
     for states, tol in (("fp32", 0.03), ("fp8", 0.1)):
-        loss, params, opt = train(prob, lambda ps, lr: AdamW(ps, lr=lr, weight_decay=0.0, states=states,
-                                                              master="mcf"), torch.bfloat16, **kw)
+        loss, params, opt = train(prob, lambda ps, lr, states=states: AdamW(ps, lr=lr, weight_decay=0.0, states=states,
+                                                                             master="mcf"), torch.bfloat16, **kw)
         pair = {"w": params[0].detach(), "w_lo": opt.state[params[0]]["master_lo"]}
         err = ((S.decode(pair, "w").double() - W_ref).norm() / moved).item()
         print(f"mcf + {states} states: loss {loss:.4f} (init {init:.4f}, fp64 {ref_loss:.4f}); "

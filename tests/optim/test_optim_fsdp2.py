@@ -41,7 +41,7 @@ def _full_states(opt, model):
     sd = opt.state_dict()
     group = opt.param_groups[0]
     out = []
-    for idx, p in enumerate(model.parameters()):
+    for idx, _ in enumerate(model.parameters()):
         entry = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd["state"][idx].items()}
         out.append([S.decode(entry, n, f8, group["group_size"]) for n, f8 in
                     (("exp_avg", "e4m3"), ("exp_avg_sq", group["v_format"]))])
@@ -113,7 +113,7 @@ def test_fsdp2_four_ranks_match_one_process(dist, mode):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         else:  # FP8 codes and bf16 roundings can flip: compare with how far the weights moved
             assert (a.float() - b.float()).norm() < 0.1 * (b.float() - w0).norm()
-    for (m, v), (rm, rv) in zip(states, ref_states):
+    for (_, v), (_, rv) in zip(states, ref_states):
         if mode == "fp32_native":
             torch.testing.assert_close(v, rv, rtol=1e-4, atol=1e-9)
         else:  # an FP8 code may land one step away; the bulk agrees

@@ -4,8 +4,8 @@ import io
 
 import pytest
 import torch
-
 from optim_problems import least_squares, mlp, set_grads, train
+
 from sdpq.optim import compress, measure_peak, memory_report
 
 OPTIMIZERS = {
@@ -100,7 +100,7 @@ def test_checkpoint_resume_export_and_inner_state_dicts():
     # and an uncompressed optimizer's state_dict loads into a wrapper (compressed on load)
     opt3 = compress(torch.optim.Adam([p.detach().clone().requires_grad_() for p in params2]), states="bf16")
     opt3.load_state_dict(plain.state_dict())
-    for p, q in zip(plain.param_groups[0]["params"], opt3.param_groups[0]["params"]):
+    for q in opt3.param_groups[0]["params"]:
         assert opt3.state[q]["exp_avg"].dtype == torch.bfloat16 and q not in opt3.inner.state
         torch.testing.assert_close(opt3.export_state_dict()["state"][0]["exp_avg"],
                                    plain.state[plain.param_groups[0]["params"][0]]["exp_avg"], rtol=1e-2, atol=0)

@@ -3,7 +3,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from sdpq.quant.fp8 import FORMATS, dequantize_fp8, fp8_empty, nonfinite_groups, quantize_fp8
 

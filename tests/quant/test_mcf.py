@@ -1,7 +1,8 @@
 """Properties of the Collage multi-component float (bf16 pair) arithmetic."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sdpq.quant.mcf import fast2sum, grow_, mul_, split, split_scalar, value
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpq.quant import QuantSpec, Quantized, decode, dequantize, encode, pack, quantize, unpack
+from sdpq.quant import Quantized, QuantSpec, decode, dequantize, encode, pack, quantize, unpack
 
 
 @settings(deadline=None, max_examples=80)
