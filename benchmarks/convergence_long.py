@@ -153,9 +153,21 @@ def spec_for(args, framework: str, arm: str, seed: int):
 
     block, bf16 = ARMS[arm]
     model = LlamaConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model)
-    return RunSpec(backend=FRAMEWORKS[framework], model=model, sdpq=block, bf16=bf16, mixed_precision="bf16",
-                   steps=args.steps, micro_batch=args.micro_batch, lr=args.lr, warmup=args.warmup, seed=seed,
-                   ranks_per_node=RPN, log_every=0, eval_batches=args.eval_batches)
+    return RunSpec(
+        backend=FRAMEWORKS[framework],
+        model=model,
+        sdpq=block,
+        bf16=bf16,
+        mixed_precision="bf16",
+        steps=args.steps,
+        micro_batch=args.micro_batch,
+        lr=args.lr,
+        warmup=args.warmup,
+        seed=seed,
+        ranks_per_node=RPN,
+        log_every=0,
+        eval_batches=args.eval_batches,
+    )
 
 
 def run_job(args, framework: str, seed: int) -> dict:
@@ -164,8 +176,13 @@ def run_job(args, framework: str, seed: int) -> dict:
         specs = {arm: dataclasses.asdict(spec_for(args, framework, arm, seed)) for arm in ARMS}
         job.write_text(json.dumps({"framework": framework, "arms": list(ARMS), "specs": specs}))
         launcher = "deepspeed" if framework == "zero3" else "torchrun"
-        code = run_local([str(Path(__file__).resolve()), "--worker", str(job), str(out)], WORLD,
-                         launcher=launcher, log=log, timeout=args.timeout)
+        code = run_local(
+            [str(Path(__file__).resolve()), "--worker", str(job), str(out)],
+            WORLD,
+            launcher=launcher,
+            log=log,
+            timeout=args.timeout,
+        )
         if code != 0 or not out.exists():
             raise RuntimeError(f"{framework} seed {seed} failed (exit code {code}):\n{log.read_text()[-4000:]}")
         return json.loads(out.read_text())
@@ -223,7 +240,7 @@ def plot(runs: dict, path: Path, args, window: int = 25) -> None:
     import matplotlib.pyplot as plt
 
     def smooth(xs):
-        return [sum(xs[max(0, i - window + 1): i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
+        return [sum(xs[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
 
     fws = list(runs)
     fig, axes = plt.subplots(2, len(fws), figsize=(6 * len(fws), 7), squeeze=False, height_ratios=[2, 1])
@@ -235,12 +252,18 @@ def plot(runs: dict, path: Path, args, window: int = 25) -> None:
             steps = range(1, len(curves[0]) + 1)
             mean = [statistics.mean(c[k] for c in curves) for k in range(len(curves[0]))]
             ax.plot(steps, mean, color=f"C{i}", linewidth=1, label=f"{arm} (mean of {len(curves)} seeds)")
-            ax.fill_between(steps, [min(c[k] for c in curves) for k in range(len(mean))],
-                            [max(c[k] for c in curves) for k in range(len(mean))], color=f"C{i}", alpha=0.2)
+            ax.fill_between(
+                steps,
+                [min(c[k] for c in curves) for k in range(len(mean))],
+                [max(c[k] for c in curves) for k in range(len(mean))],
+                color=f"C{i}",
+                alpha=0.2,
+            )
         for i, s in enumerate(seeds):
             b, q = smooth(seeds[s]["baseline"]["losses"]), smooth(seeds[s]["sdpq"]["losses"])
-            dx.plot(range(1, len(b) + 1), [y - x for x, y in zip(b, q)], linewidth=0.8, color=f"C{i + 2}",
-                    label=f"seed {s}")
+            dx.plot(
+                range(1, len(b) + 1), [y - x for x, y in zip(b, q)], linewidth=0.8, color=f"C{i + 2}", label=f"seed {s}"
+            )
         # The first tenth of the run (the loss falling from ~5.5) would flatten the rest.
         skip = len(seeds[next(iter(seeds))]["baseline"]["losses"]) // 10
         tail = [v for s in seeds for arm in ARMS for v in smooth(seeds[s][arm]["losses"])[skip:]]
@@ -299,14 +322,21 @@ def main(argv=None) -> int:
                 continue
             runs[f][str(s)] = res = run_job(args, f, s)
             part.write_text(json.dumps(res))
-            print(f"{TAG} {f} seed {s}: final loss baseline {final_loss(res['baseline']['losses']):.4f} "
-                  f"sdpq {final_loss(res['sdpq']['losses']):.4f}  cross-node MB/step "
-                  f"{res['baseline']['meter_cross_node_bytes_per_step'] / 1e6:.3f} -> "
-                  f"{res['sdpq']['meter_cross_node_bytes_per_step'] / 1e6:.3f}  ({time.time() - t:.0f} s)", flush=True)
+            print(
+                f"{TAG} {f} seed {s}: final loss baseline {final_loss(res['baseline']['losses']):.4f} "
+                f"sdpq {final_loss(res['sdpq']['losses']):.4f}  cross-node MB/step "
+                f"{res['baseline']['meter_cross_node_bytes_per_step'] / 1e6:.3f} -> "
+                f"{res['sdpq']['meter_cross_node_bytes_per_step'] / 1e6:.3f}  ({time.time() - t:.0f} s)",
+                flush=True,
+            )
     summary = summarize(runs, args)
     tokens = args.steps * WORLD * args.micro_batch * args.seq_len
-    meta = {"world": f"{WORLD // RPN} nodes x {RPN} ranks (gloo)", "tokens_per_run": tokens,
-            "wall_seconds": time.time() - t0, **provenance()}
+    meta = {
+        "world": f"{WORLD // RPN} nodes x {RPN} ranks (gloo)",
+        "tokens_per_run": tokens,
+        "wall_seconds": time.time() - t0,
+        **provenance(),
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "meta": meta, "summary": summary, "runs": runs}, indent=1))
     plot(runs, out.with_suffix(".png"), args)

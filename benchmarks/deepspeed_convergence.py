@@ -40,9 +40,12 @@ from sdpq.launch.local import LAUNCHERS, run_local  # noqa: E402
 from sdpq.train.run import RunSpec  # noqa: E402
 from sdpq.train.settings import EXACT  # noqa: E402 (bitwise the plain framework, bytes counted)
 
-FULL = {"weights": {"mode": "diff"}, "gradients": {"mode": "two_level"},
-        "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"},
-        "workarounds": {"deepspeed_alias_bf16_master": True}}
+FULL = {
+    "weights": {"mode": "diff"},
+    "gradients": {"mode": "two_level"},
+    "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"},
+    "workarounds": {"deepspeed_alias_bf16_master": True},
+}
 RUNS = {
     "baseline": None,
     "exact": EXACT,
@@ -78,8 +81,9 @@ def worker(spec_file: str, result_file: str) -> None:
     if dist.get_rank() == 0:
         out = dataclasses.asdict(r)
         out["wall_seconds"] = wall
-        out["launch_env"] = {k: os.environ.get(k)
-                             for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")}
+        out["launch_env"] = {
+            k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        }
         with open(result_file, "w") as f:
             json.dump(out, f)
     dist.barrier()
@@ -89,8 +93,9 @@ def worker(spec_file: str, result_file: str) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def launch(spec, launcher: str, nproc: int, workdir: Path, name: str, timeout: float,
-           ds_overrides: dict | None = None) -> dict:
+def launch(
+    spec, launcher: str, nproc: int, workdir: Path, name: str, timeout: float, ds_overrides: dict | None = None
+) -> dict:
     spec_file, result_file = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
     spec_file.write_text(json.dumps({"spec": dataclasses.asdict(spec), "ds_overrides": ds_overrides}))
     if result_file.exists():
@@ -131,8 +136,11 @@ def main(argv=None) -> int:
     # its final loss by 1.8%, so a 1% comparison there measures chaos, not sdpq.
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: RunSpec's, 1e-3)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ds-override", default=None, help="JSON merged into every run's DeepSpeed config, e.g. "
-                    "'{\"communication_data_type\": \"fp32\"}'")
+    ap.add_argument(
+        "--ds-override",
+        default=None,
+        help='JSON merged into every run\'s DeepSpeed config, e.g. \'{"communication_data_type": "fp32"}\'',
+    )
     args = ap.parse_args(argv)
     if args.worker:
         worker(*args.worker)
@@ -155,8 +163,15 @@ def main(argv=None) -> int:
         base = dataclasses.replace(base, lr=args.lr)
     overrides = json.loads(args.ds_override) if args.ds_override else None
     if args.quick:
-        base = dataclasses.replace(base, model=GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=32), steps=6,
-                                   micro_batch=2, warmup=2, eval_batches=1, log_every=0)
+        base = dataclasses.replace(
+            base,
+            model=GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=32),
+            steps=6,
+            micro_batch=2,
+            warmup=2,
+            eval_batches=1,
+            log_every=0,
+        )
         args.save_at, args.compare_until = 3, 6
     names = [n for n in args.runs.split(",") if n]
     workdir = Path(tempfile.mkdtemp(prefix="sdpq-ds-bench-"))
@@ -176,10 +191,13 @@ def main(argv=None) -> int:
             r = launch(spec, args.launcher, 4, workdir, name, args.timeout, overrides)
             results[name] = r
             losses = [x for x in r["losses"] if not math.isnan(x)]
-            print(f"   last-{LAST} loss {sum(losses[-LAST:]) / len(losses[-LAST:]):.5f}  val {r['val_loss']:.5f}  "
-                  f"{r['step_seconds']:.3f} s/step  "
-                  f"cross-node {r['cross_node_bytes_per_step'] / 1e6:.3f} MB/step  "
-                  f"optimizer {r['optimizer_bytes_per_param']:.2f} B/param  ({r['launch_seconds']:.0f} s)", flush=True)
+            print(
+                f"   last-{LAST} loss {sum(losses[-LAST:]) / len(losses[-LAST:]):.5f}  val {r['val_loss']:.5f}  "
+                f"{r['step_seconds']:.3f} s/step  "
+                f"cross-node {r['cross_node_bytes_per_step'] / 1e6:.3f} MB/step  "
+                f"optimizer {r['optimizer_bytes_per_param']:.2f} B/param  ({r['launch_seconds']:.0f} s)",
+                flush=True,
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -196,8 +214,11 @@ LAST = 20  # "final loss" = mean training loss of the last LAST steps (one batch
 
 
 def summarize(results: dict, args) -> dict:
-    s: dict = {"launcher": args.launcher, "layout": "2 nodes x 2 ranks (gloo, one machine)",
-               "steps": {n: sum(not math.isnan(x) for x in r["losses"]) for n, r in results.items()}}
+    s: dict = {
+        "launcher": args.launcher,
+        "layout": "2 nodes x 2 ranks (gloo, one machine)",
+        "steps": {n: sum(not math.isnan(x) for x in r["losses"]) for n, r in results.items()},
+    }
     runs = {n: r for n, r in results.items() if n != "resume"}
     final = {n: sum(r["losses"][-LAST:]) / len(r["losses"][-LAST:]) for n, r in runs.items()}
     s[f"final_loss_mean_last_{LAST}"] = final
@@ -207,27 +228,34 @@ def summarize(results: dict, args) -> dict:
     s["optimizer_bytes_per_param"] = {n: r["optimizer_bytes_per_param"] for n, r in results.items()}
     ok = True
     if "baseline" in final:
+
         def rel(d):
             return {n: (v - d["baseline"]) / d["baseline"] for n, v in d.items() if n != "baseline"}
 
         s["final_loss_rel_diff_vs_baseline"] = rel(final)
         s["val_loss_rel_diff_vs_baseline"] = rel({n: r["val_loss"] for n, r in runs.items()})
         s["last_step_loss_rel_diff_vs_baseline"] = rel(s["last_step_loss"])
-        s["within_1pct"] = {n: abs(v) < 0.01 and abs(s["val_loss_rel_diff_vs_baseline"][n]) < 0.01
-                            for n, v in s["final_loss_rel_diff_vs_baseline"].items()}
+        s["within_1pct"] = {
+            n: abs(v) < 0.01 and abs(s["val_loss_rel_diff_vs_baseline"][n]) < 0.01
+            for n, v in s["final_loss_rel_diff_vs_baseline"].items()
+        }
         ok &= all(s["within_1pct"].values())
     if "exact" in results and "baseline" in results:
         s["exact_equals_baseline_bitwise"] = results["exact"]["losses"] == results["baseline"]["losses"]
         ok &= s["exact_equals_baseline_bitwise"]
     if "exact" in results:
         base_b = results["exact"]["cross_node_bytes_per_step"]
-        s["cross_node_bytes_per_step"] = {n: r["cross_node_bytes_per_step"] for n, r in results.items()
-                                          if n not in ("baseline",)}
+        s["cross_node_bytes_per_step"] = {
+            n: r["cross_node_bytes_per_step"] for n, r in results.items() if n not in ("baseline",)
+        }
         s["cross_node_bytes_per_step_by_path"] = {
             n: {p: b / max(1, sum(not math.isnan(x) for x in r["losses"])) for p, b in _inter(r).items()}
-            for n, r in results.items() if n != "baseline"}
-        s["cross_node_ratio_vs_zero3"] = {n: r["cross_node_bytes_per_step"] / base_b for n, r in results.items()
-                                          if n not in ("baseline", "exact")}
+            for n, r in results.items()
+            if n != "baseline"
+        }
+        s["cross_node_ratio_vs_zero3"] = {
+            n: r["cross_node_bytes_per_step"] / base_b for n, r in results.items() if n not in ("baseline", "exact")
+        }
         if "full" in results:
             s["full_ratio_below_one_fifth"] = s["cross_node_ratio_vs_zero3"]["full"] < 0.2
             ok &= s["full_ratio_below_one_fifth"]

@@ -62,8 +62,9 @@ def worker(job_file: str, out_file: str) -> None:
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, counter.as_dict()["steps"])
     if dist.get_rank() == 0:
-        Path(out_file).write_text(json.dumps({"link_steps": per_rank, "step_seconds": r.step_seconds,
-                                              "losses": r.losses}))
+        Path(out_file).write_text(
+            json.dumps({"link_steps": per_rank, "step_seconds": r.step_seconds, "losses": r.losses})
+        )
     dist.barrier()  # every rank done with gloo before any tears it down (else: terminate called ...)
     dist.destroy_process_group()
 
@@ -89,11 +90,16 @@ def measured_bytes(res: dict) -> dict[str, float]:
 def _run(cluster, nodes: int, rpn: int, spec: dict, work: Path, name: str, timeout: float) -> dict:
     job, out = work / f"{name}.job.json", work / f"{name}.json"
     job.write_text(json.dumps({"spec": spec, "ranks_per_node": rpn}))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     argv = [str(Path(__file__).resolve()), "--worker", str(job), str(out)]
     if cluster is None:
-        code = run_local(argv, nodes * rpn, log=work / f"{name}.log", timeout=timeout, env={"PYTHONPATH": env["PYTHONPATH"]})
+        code = run_local(
+            argv, nodes * rpn, log=work / f"{name}.log", timeout=timeout, env={"PYTHONPATH": env["PYTHONPATH"]}
+        )
     else:
         code = run_job(cluster, argv, rpn, timeout=timeout, env=env, logs=work / name)
     if code != 0 or not out.exists():
@@ -120,12 +126,21 @@ def main(argv=None) -> int:
         for layout in args.layouts.split(","):
             nodes, rpn = (int(v) for v in layout.split("x"))
             for arm, block in (("baseline", None), ("sdpq", QUANT)):
-                spec = {"backend": "fsdp2", "model": {"d_model": args.d_model, "n_layer": args.n_layer},
-                        "steps": args.steps, "micro_batch": 4, "ranks_per_node": rpn, "log_every": 0,
-                        "eval_batches": 0, "sdpq": block}
+                spec = {
+                    "backend": "fsdp2",
+                    "model": {"d_model": args.d_model, "n_layer": args.n_layer},
+                    "steps": args.steps,
+                    "micro_batch": 4,
+                    "ranks_per_node": rpn,
+                    "log_every": 0,
+                    "eval_batches": 0,
+                    "sdpq": block,
+                }
                 name = f"{layout}-{arm}"
                 floor = _run(None, nodes, rpn, spec, Path(tmp), name + "-loopback", args.timeout)
-                formula = fsdp_cross_node_bytes(modules, nodes * rpn, rpn, None if block is None else Config.from_dict(block))
+                formula = fsdp_cross_node_bytes(
+                    modules, nodes * rpn, rpn, None if block is None else Config.from_dict(block)
+                )
                 rec = {"layout": layout, "arm": arm, "loopback_s": floor["step_seconds"]}
                 got = measured_bytes(floor)
                 rec.update({f"{p}_bytes": got[p] for p in PATHS}, **{f"{p}_formula": formula[p] for p in PATHS})
@@ -135,8 +150,11 @@ def main(argv=None) -> int:
                         mbit = measure_link(cluster, megabytes=32)
                         emu = _run(cluster, nodes, rpn, spec, Path(tmp), name, args.timeout)
                     per_node = sum(formula.values()) / nodes  # bytes each node's link carries out per step
-                    rec.update(link_mbit=mbit, measured_s=emu["step_seconds"],
-                               predicted_s=floor["step_seconds"] + per_node * 8 / (mbit * 1e6))
+                    rec.update(
+                        link_mbit=mbit,
+                        measured_s=emu["step_seconds"],
+                        predicted_s=floor["step_seconds"] + per_node * 8 / (mbit * 1e6),
+                    )
                     rec["error"] = rec["measured_s"] / rec["predicted_s"] - 1
                     rec["emulated_bytes_exact"] = measured_bytes(emu) == {p: formula[p] for p in PATHS}
                 records.append(rec)

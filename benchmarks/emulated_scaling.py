@@ -56,9 +56,29 @@ BACKENDS = {"fsdp2": "FSDP2", "deepspeed": "ZeRO-3"}
 def _job(cluster: EmulatedNodes, backend: str, block: dict | None, args, work: Path, port: int) -> dict:
     name = f"{backend}-{'sdpq' if block else 'baseline'}-{cluster.bandwidth}"
     out = work / f"{name}.json"
-    cmd = ["-m", "sdpq.train", "--backend", backend, "--bf16", "--steps", str(args.steps), "--d-model",
-           str(args.d_model), "--n-layer", str(args.n_layer), "--micro-batch", str(args.micro_batch),
-           "--seq-len", str(args.seq_len), "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
+    cmd = [
+        "-m",
+        "sdpq.train",
+        "--backend",
+        backend,
+        "--bf16",
+        "--steps",
+        str(args.steps),
+        "--d-model",
+        str(args.d_model),
+        "--n-layer",
+        str(args.n_layer),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--seq-len",
+        str(args.seq_len),
+        "--log-every",
+        "0",
+        "--eval-batches",
+        "0",
+        "--out",
+        str(out),
+    ]
     if block is not None:
         cfg = work / f"{name}.sdpq.json"
         cfg.write_text(json.dumps(block))
@@ -69,30 +89,69 @@ def _job(cluster: EmulatedNodes, backend: str, block: dict | None, args, work: P
     rc = run_job(cluster, cmd, RPN, port=port, timeout=args.timeout, env=env, logs=logs)
     wall = time.monotonic() - t0
     if rc != 0:
-        tail = "" if logs is None else "\n".join(
-            f"--- {f.name}:\n" + "\n".join(f.read_text().splitlines()[-15:]) for f in sorted(logs.glob("*.log")))
+        tail = (
+            ""
+            if logs is None
+            else "\n".join(
+                f"--- {f.name}:\n" + "\n".join(f.read_text().splitlines()[-15:]) for f in sorted(logs.glob("*.log"))
+            )
+        )
         raise RuntimeError(f"{name} failed (exit {rc})\n{tail}")
     r = json.loads(out.read_text())
-    return {"bandwidth": cluster.bandwidth, "backend": BACKENDS[backend], "arm": "sdpq" if block else "baseline",
-            "step_seconds": r["step_seconds"], "link_MB_per_step": (cluster.link_bytes() - before) / args.steps / 1e6,
-            "final_loss": r["losses"][-1], "job_seconds": wall}
+    return {
+        "bandwidth": cluster.bandwidth,
+        "backend": BACKENDS[backend],
+        "arm": "sdpq" if block else "baseline",
+        "step_seconds": r["step_seconds"],
+        "link_MB_per_step": (cluster.link_bytes() - before) / args.steps / 1e6,
+        "final_loss": r["losses"][-1],
+        "job_seconds": wall,
+    }
 
 
 def _loopback_floor(backend: str, args, work: Path) -> dict:
     """The compute floor: the baseline's step time with every rank on one host (loopback, no
     shaped link), the same job otherwise. No link can make a step faster than this."""
     out = work / f"{backend}-baseline-loopback.json"
-    argv = ["-m", "sdpq.train", "--backend", backend, "--bf16", "--steps", str(args.steps), "--d-model",
-            str(args.d_model), "--n-layer", str(args.n_layer), "--micro-batch", str(args.micro_batch),
-            "--seq-len", str(args.seq_len), "--ranks-per-node", str(RPN), "--log-every", "0", "--eval-batches", "0", "--out", str(out)]
+    argv = [
+        "-m",
+        "sdpq.train",
+        "--backend",
+        backend,
+        "--bf16",
+        "--steps",
+        str(args.steps),
+        "--d-model",
+        str(args.d_model),
+        "--n-layer",
+        str(args.n_layer),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--seq-len",
+        str(args.seq_len),
+        "--ranks-per-node",
+        str(RPN),
+        "--log-every",
+        "0",
+        "--eval-batches",
+        "0",
+        "--out",
+        str(out),
+    ]
     t0 = time.monotonic()
     log = work / f"{backend}-baseline-loopback.log"
     code = run_local(argv, NODES * RPN, log=log, timeout=args.timeout)
     if code != 0:
         raise RuntimeError(f"loopback {backend} failed (exit {code})\n{log.read_text()[-2000:]}")
     r = json.loads(out.read_text())
-    return {"bandwidth": "loopback", "backend": BACKENDS[backend], "arm": "baseline (compute floor)",
-            "step_seconds": r["step_seconds"], "final_loss": r["losses"][-1], "job_seconds": time.monotonic() - t0}
+    return {
+        "bandwidth": "loopback",
+        "backend": BACKENDS[backend],
+        "arm": "baseline (compute floor)",
+        "step_seconds": r["step_seconds"],
+        "final_loss": r["losses"][-1],
+        "job_seconds": time.monotonic() - t0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             rec = _loopback_floor(backend, args, Path(tmp))
             floor[BACKENDS[backend]] = rec["step_seconds"]
             records.append(rec)
-            print(f"[{time.strftime('%H:%M:%S')}] loopback {BACKENDS[backend]:<7} baseline (compute floor) "
-                  f"{rec['step_seconds']:.3f} s/step", flush=True)
+            print(
+                f"[{time.strftime('%H:%M:%S')}] loopback {BACKENDS[backend]:<7} baseline (compute floor) "
+                f"{rec['step_seconds']:.3f} s/step",
+                flush=True,
+            )
         for bw in [b for b in args.bandwidths.split(",") if b]:
             with EmulatedNodes(NODES, bw) as cluster:
                 links[bw] = measure_link(cluster, megabytes=64)
@@ -141,25 +203,49 @@ def main(argv: list[str] | None = None) -> int:
                                 if attempt == 2:
                                     raise SystemExit(1) from e
                         rec["attempts"] = attempt
-                        print(f"    {BACKENDS[backend]:<7} {arm:<8} {rec['step_seconds']:.3f} s/step  "
-                              f"link {rec['link_MB_per_step']:.2f} MB/step", flush=True)
+                        print(
+                            f"    {BACKENDS[backend]:<7} {arm:<8} {rec['step_seconds']:.3f} s/step  "
+                            f"link {rec['link_MB_per_step']:.2f} MB/step",
+                            flush=True,
+                        )
                         records.append(rec)
                         pair[arm] = rec
-                    ratios.append({"bandwidth": bw, "link_Mbit_s": links[bw], "backend": BACKENDS[backend],
-                                   "baseline_s": pair["baseline"]["step_seconds"], "sdpq_s": pair["sdpq"]["step_seconds"],
-                                   "step_time_ratio": pair["sdpq"]["step_seconds"] / pair["baseline"]["step_seconds"],
-                                   "sdpq_vs_floor": pair["sdpq"]["step_seconds"] / floor[BACKENDS[backend]],
-                                   "link_bytes_ratio": pair["sdpq"]["link_MB_per_step"]
-                                   / pair["baseline"]["link_MB_per_step"]})
-    print_table(ratios, f"Emulated cluster {NODES} nodes x {RPN} ranks, bf16 GPT {args.n_layer}x{args.d_model}, "
-                        f"{args.steps} steps: sdpq / baseline (< 1 = sdpq faster)")
+                    ratios.append(
+                        {
+                            "bandwidth": bw,
+                            "link_Mbit_s": links[bw],
+                            "backend": BACKENDS[backend],
+                            "baseline_s": pair["baseline"]["step_seconds"],
+                            "sdpq_s": pair["sdpq"]["step_seconds"],
+                            "step_time_ratio": pair["sdpq"]["step_seconds"] / pair["baseline"]["step_seconds"],
+                            "sdpq_vs_floor": pair["sdpq"]["step_seconds"] / floor[BACKENDS[backend]],
+                            "link_bytes_ratio": pair["sdpq"]["link_MB_per_step"] / pair["baseline"]["link_MB_per_step"],
+                        }
+                    )
+    print_table(
+        ratios,
+        f"Emulated cluster {NODES} nodes x {RPN} ranks, bf16 GPT {args.n_layer}x{args.d_model}, "
+        f"{args.steps} steps: sdpq / baseline (< 1 = sdpq faster)",
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print_table([{"backend": b, "loopback_baseline_s": t} for b, t in floor.items()],
-                "Compute floor: the baseline on loopback (no shaped link)")
-    out.write_text(json.dumps({"args": vars(args), "date": time.strftime("%Y-%m-%d"), "link_Mbit_s": links,
-                               "compute_floor_s": floor,
-                               "ratios": ratios, "runs": records}, indent=1))
+    print_table(
+        [{"backend": b, "loopback_baseline_s": t} for b, t in floor.items()],
+        "Compute floor: the baseline on loopback (no shaped link)",
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "date": time.strftime("%Y-%m-%d"),
+                "link_Mbit_s": links,
+                "compute_floor_s": floor,
+                "ratios": ratios,
+                "runs": records,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

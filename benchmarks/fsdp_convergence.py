@@ -66,11 +66,27 @@ RUNS = {
 }
 # The arm list (baseline, weights, gradients without / with Hadamard, full comms, full +
 # compressed optimizer), the exactness check, the resume check and the sensitivity reference.
-DEFAULT_RUNS = ["baseline", "exact", "weights", "gradients_nohad", "gradients", "comms", "full", "resume",
-                "baseline_perturbed"]
-LABELS = {"baseline": "FSDP2 fp32", "weights": "weights 4-bit diff", "gradients_nohad": "gradients 8/4-bit, no Hadamard",
-          "gradients": "gradients 8/4-bit + Hadamard", "comms": "full sdpq comms",
-          "full": "full sdpq + fp8/MCF AdamW", "optimizer": "fp8/MCF AdamW only", "bf16_plain": "FSDP2 bf16"}
+DEFAULT_RUNS = [
+    "baseline",
+    "exact",
+    "weights",
+    "gradients_nohad",
+    "gradients",
+    "comms",
+    "full",
+    "resume",
+    "baseline_perturbed",
+]
+LABELS = {
+    "baseline": "FSDP2 fp32",
+    "weights": "weights 4-bit diff",
+    "gradients_nohad": "gradients 8/4-bit, no Hadamard",
+    "gradients": "gradients 8/4-bit + Hadamard",
+    "comms": "full sdpq comms",
+    "full": "full sdpq + fp8/MCF AdamW",
+    "optimizer": "fp8/MCF AdamW only",
+    "bf16_plain": "FSDP2 bf16",
+}
 
 
 def worker(job_file: str, out_dir: str) -> None:
@@ -90,11 +106,17 @@ def worker(job_file: str, out_dir: str) -> None:
     digests = r.extra.pop("forward_digests")
     refs = r.extra.pop("references", None)
     r.extra.pop("param_digests", None)
-    res = {"losses": r.losses, "val_loss": r.val_loss, "step_seconds": r.step_seconds,
-           "cross_node_bytes_per_step": r.cross_node_bytes_per_step,
-           "optimizer_bytes_per_param": r.optimizer_bytes_per_param,
-           "comm_total": r.comm["total"], "extra": r.extra,
-           "forward_digests": digests, "references": refs}
+    res = {
+        "losses": r.losses,
+        "val_loss": r.val_loss,
+        "step_seconds": r.step_seconds,
+        "cross_node_bytes_per_step": r.cross_node_bytes_per_step,
+        "optimizer_bytes_per_param": r.optimizer_bytes_per_param,
+        "comm_total": r.comm["total"],
+        "extra": r.extra,
+        "forward_digests": digests,
+        "references": refs,
+    }
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
     dist.destroy_process_group()
 
@@ -118,7 +140,8 @@ def run_once(spec_kw: dict, timeout: float) -> dict:
     # The forward of every rank used identical weights, at every step.
     steps = len(out["forward_digests"])
     out["forward_weights_identical_all_steps"] = all(
-        results[r]["forward_digests"][s] == out["forward_digests"][s] for r in range(WORLD) for s in range(steps))
+        results[r]["forward_digests"][s] == out["forward_digests"][s] for r in range(WORLD) for s in range(steps)
+    )
     # Every holder of a weight reference (same local index) holds it bitwise identically.
     if out["references"] is not None:
         same = True
@@ -144,14 +167,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--save-at", type=int, default=100)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-3,
-                    help="peak lr (3e-3, RunSpec's default, is chaotic for this model: a 1e-6 relative "
-                         "change of the lr moves the step-200 loss by ~5%%)")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3,
+        help="peak lr (3e-3, RunSpec's default, is chaotic for this model: a 1e-6 relative "
+        "change of the lr moves the step-200 loss by ~5%%)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
-                    help=f"comma-separated subset of {list(RUNS) + ['resume']}")
+    ap.add_argument(
+        "--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {list(RUNS) + ['resume']}"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fsdp_convergence.json"))
     ap.add_argument("--timeout", type=float, default=3 * 3600)
     ap.add_argument("--replot", action="store_true", help="only redraw the plot of an existing --out JSON")
@@ -168,8 +196,17 @@ def main(argv=None) -> int:
         ap.error("'resume' resumes the checkpoint that 'full' saves: include 'full'")
 
     ckpt = tempfile.mkdtemp(prefix="sdpq-fsdp-ckpt-")
-    base = dict(backend="fsdp2", model={"n_layer": args.layers, "d_model": args.d_model}, steps=args.steps,
-                micro_batch=args.micro_batch, seed=args.seed, lr=args.lr, ranks_per_node=RPN, log_every=0, eval_batches=8)
+    base = dict(
+        backend="fsdp2",
+        model={"n_layer": args.layers, "d_model": args.d_model},
+        steps=args.steps,
+        micro_batch=args.micro_batch,
+        seed=args.seed,
+        lr=args.lr,
+        ranks_per_node=RPN,
+        log_every=0,
+        eval_batches=8,
+    )
     results: dict = {}
     for name in runs:
         if name == "resume":
@@ -186,10 +223,12 @@ def main(argv=None) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {args.steps} steps ...", flush=True)
         results[name] = run_once(kw, args.timeout)
         res = results[name]
-        print(f"    final loss (mean of last 10) {final_loss(res['losses']):.4f}  last {res['losses'][-1]:.4f}  "
-              f"val {res['val_loss']:.4f}  {res['step_seconds']:.3f} s/step  "
-              f"cross-node {res['cross_node_bytes_per_step'] / 1e6:.3f} MB/step  ({time.time() - t0:.0f} s)",
-              flush=True)
+        print(
+            f"    final loss (mean of last 10) {final_loss(res['losses']):.4f}  last {res['losses'][-1]:.4f}  "
+            f"val {res['val_loss']:.4f}  {res['step_seconds']:.3f} s/step  "
+            f"cross-node {res['cross_node_bytes_per_step'] / 1e6:.3f} MB/step  ({time.time() - t0:.0f} s)",
+            flush=True,
+        )
 
     summary = summarize(results, args)
     out = Path(args.out)
@@ -209,7 +248,7 @@ def plot(results: dict, path: Path, args, window: int = 10) -> None:
     import matplotlib.pyplot as plt
 
     def smooth(xs: list[float]) -> list[float]:
-        return [sum(xs[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
+        return [sum(xs[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
 
     fig, (ax, rx) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=[2, 1])
     base = smooth(results["baseline"]["losses"]) if "baseline" in results else None
@@ -246,11 +285,17 @@ def summarize(results: dict, args) -> dict:
             if name == "resume":
                 continue
             f, last = final_loss(r["losses"]), r["losses"][-1]
-            row = {"final_loss_mean_last10": f, "last_step_loss": last, "val_loss": r["val_loss"],
-                   "ratio_to_baseline": f / b_final, "last_step_ratio": last / b_last,
-                   "val_ratio": r["val_loss"] / base["val_loss"], "step_seconds": r["step_seconds"],
-                   "optimizer_bytes_per_param": r["optimizer_bytes_per_param"],
-                   "optimizer": r["extra"]["optimizer"]}
+            row = {
+                "final_loss_mean_last10": f,
+                "last_step_loss": last,
+                "val_loss": r["val_loss"],
+                "ratio_to_baseline": f / b_final,
+                "last_step_ratio": last / b_last,
+                "val_ratio": r["val_loss"] / base["val_loss"],
+                "step_seconds": r["step_seconds"],
+                "optimizer_bytes_per_param": r["optimizer_bytes_per_param"],
+                "optimizer": r["extra"]["optimizer"],
+            }
             if name in ("full", "comms", "weights", "gradients", "gradients_nohad", "optimizer"):
                 row["within_1pct"] = abs(f / b_final - 1) <= 0.01
                 checks.append(row["within_1pct"])
@@ -271,13 +316,16 @@ def summarize(results: dict, args) -> dict:
         if name == "full" and ref16 is not None:
             row["baseline_bf16_bytes"] = ref16["cross_node_bytes_per_step"]
             row["reduction_vs_bf16_baseline"] = ref16["cross_node_bytes_per_step"] / r["cross_node_bytes_per_step"]
-        row["by_path"] = {path: links.get("inter", {}).get("bytes", 0) / args.steps
-                          for path, links in r["comm_total"].items()}
+        row["by_path"] = {
+            path: links.get("inter", {}).get("bytes", 0) / args.steps for path, links in r["comm_total"].items()
+        }
         s["cross_node_bytes_per_step"][name] = row
     s["invariants"] = {}
     for name, r in results.items():
-        inv = {"forward_weights_identical_all_steps": r["forward_weights_identical_all_steps"],
-               "losses_identical_across_ranks": r["losses_identical_across_ranks"]}
+        inv = {
+            "forward_weights_identical_all_steps": r["forward_weights_identical_all_steps"],
+            "losses_identical_across_ranks": r["losses_identical_across_ranks"],
+        }
         if "references_identical" in r:
             inv["references_identical"] = r["references_identical"]
         s["invariants"][name] = inv
@@ -285,12 +333,13 @@ def summarize(results: dict, args) -> dict:
     if "resume" in results and "full" in results:
         k = args.save_at
         full, res = results["full"]["losses"], results["resume"]["losses"]
-        s["resume"] = {"saved_after_step": k,
-                       "bitwise_identical_steps_k+1_to_k+20": res[k:k + 20] == full[k:k + 20],
-                       "bitwise_identical_to_end": res[k:] == full[k:],
-                       "first_mismatch_step": next((i + 1 for i in range(k, len(full)) if res[i] != full[i]), None),
-                       "references_identical_to_uninterrupted":
-                           results["resume"]["references"] == results["full"]["references"]}
+        s["resume"] = {
+            "saved_after_step": k,
+            "bitwise_identical_steps_k+1_to_k+20": res[k : k + 20] == full[k : k + 20],
+            "bitwise_identical_to_end": res[k:] == full[k:],
+            "first_mismatch_step": next((i + 1 for i in range(k, len(full)) if res[i] != full[i]), None),
+            "references_identical_to_uninterrupted": results["resume"]["references"] == results["full"]["references"],
+        }
         checks.append(s["resume"]["bitwise_identical_steps_k+1_to_k+20"])
     s["all_pass"] = all(checks)
     return s

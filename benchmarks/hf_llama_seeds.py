@@ -52,9 +52,16 @@ def train_arm(hidden: int, seed: int, block, args) -> list[float]:
     from sdpq.train.data import TokenData
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
-                      num_hidden_layers=3, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                      max_position_embeddings=args.seq_len, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=hidden,
+        intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
+        num_hidden_layers=3,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -97,8 +104,10 @@ def worker(job_file: str, out_file: str) -> None:
     for arm in job["arms"]:
         out[arm] = train_arm(job["hidden"], job["seed"], ARMS[arm], args)
         if dist.get_rank() == 0:
-            print(f"hidden {job['hidden']} seed {job['seed']} {arm}: final {statistics.mean(out[arm][-10:]):.4f}",
-                  flush=True)
+            print(
+                f"hidden {job['hidden']} seed {job['seed']} {arm}: final {statistics.mean(out[arm][-10:]):.4f}",
+                flush=True,
+            )
     if dist.get_rank() == 0:
         Path(out_file).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -109,13 +118,20 @@ def summarize(runs: dict) -> dict:
     for hidden, seeds in runs.items():
         finals = {arm: [statistics.mean(seeds[s][arm][-10:]) for s in seeds] for arm in ARMS}
         b = finals["baseline"]
-        row = {"final": finals, "baseline_mean": statistics.mean(b), "baseline_sd": statistics.stdev(b),
-               "baseline_range": [min(b), max(b)]}
+        row = {
+            "final": finals,
+            "baseline_mean": statistics.mean(b),
+            "baseline_sd": statistics.stdev(b),
+            "baseline_range": [min(b), max(b)],
+        }
         for arm in ("default", "no_hadamard"):
             m = statistics.mean(finals[arm])
-            row[arm] = {"mean": m, "ratio_to_baseline_per_seed": [a / c for a, c in zip(finals[arm], b)],
-                        "diff_in_baseline_sd": (m - row["baseline_mean"]) / row["baseline_sd"],
-                        "within_seed_spread": min(b) <= m <= max(b)}
+            row[arm] = {
+                "mean": m,
+                "ratio_to_baseline_per_seed": [a / c for a, c in zip(finals[arm], b)],
+                "diff_in_baseline_sd": (m - row["baseline_mean"]) / row["baseline_sd"],
+                "within_seed_spread": min(b) <= m <= max(b),
+            }
         row["hadamard_no_worse"] = row["default"]["mean"] <= row["no_hadamard"]["mean"]
         out[hidden] = row
     return out
@@ -141,17 +157,30 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory(prefix="sdpq-hfl-") as tmp:
                 job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "log"
                 job.write_text(json.dumps({"hidden": hidden, "seed": seed, "arms": list(ARMS), "args": vars(args)}))
-                code = run_local([str(Path(__file__).resolve()), "--worker", str(job), str(out)], WORLD,
-                                 log=log, timeout=args.timeout, on_line=lambda s: print(s, flush=True))
+                code = run_local(
+                    [str(Path(__file__).resolve()), "--worker", str(job), str(out)],
+                    WORLD,
+                    log=log,
+                    timeout=args.timeout,
+                    on_line=lambda s: print(s, flush=True),
+                )
                 if code != 0 or not out.exists():
                     raise RuntimeError(f"hidden {hidden} seed {seed} failed ({code}):\n{log.read_text()[-3000:]}")
                 runs[str(hidden)][str(seed)] = json.loads(out.read_text())
     summary = summarize(runs)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "meta": {"wall_seconds": time.time() - t0, **provenance()},
-                                "summary": summary,
-                                "runs": runs}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "meta": {"wall_seconds": time.time() - t0, **provenance()},
+                "summary": summary,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -71,10 +71,14 @@ def _arm(name: str, spec_kw: dict) -> dict:
         hook.remove()
     per_rank: list = [None] * WORLD
     dist.all_gather_object(per_rank, {"bytes": counter.as_dict()["steps"], "fwd": r.extra["forward_digests"]})
-    return {"losses": r.losses, "val_loss": r.val_loss, "step_seconds": r.step_seconds,
-            "link_steps": [p["bytes"] for p in per_rank],
-            "replicas_identical_every_step": all(p["fwd"] == per_rank[0]["fwd"] for p in per_rank),
-            "sdpq_inter_bytes_per_step": r.cross_node_bytes_per_step}
+    return {
+        "losses": r.losses,
+        "val_loss": r.val_loss,
+        "step_seconds": r.step_seconds,
+        "link_steps": [p["bytes"] for p in per_rank],
+        "replicas_identical_every_step": all(p["fwd"] == per_rank[0]["fwd"] for p in per_rank),
+        "sdpq_inter_bytes_per_step": r.cross_node_bytes_per_step,
+    }
 
 
 def worker(job_file: str, out_dir: str) -> None:
@@ -88,8 +92,10 @@ def worker(job_file: str, out_dir: str) -> None:
         res = _arm(name, job["spec"])
         if dist.get_rank() == 0:
             (Path(out_dir) / f"{name}.json").write_text(json.dumps(res))
-            print(f"{name}: final loss {statistics.fmean(res['losses'][-10:]):.4f}  "
-                  f"{res['step_seconds']:.3f} s/step", flush=True)
+            print(
+                f"{name}: final loss {statistics.fmean(res['losses'][-10:]):.4f}  {res['step_seconds']:.3f} s/step",
+                flush=True,
+            )
     dist.barrier()  # every rank done with gloo before any tears it down (else: terminate called ...)
     dist.destroy_process_group()
 
@@ -98,8 +104,9 @@ def _bytes(res: dict, link: str, paths=("weights", "gradients", "other"), scale:
     """Mean bytes per step on `link` (all ranks), steps 2.. (the first holds set-up traffic)."""
     scale = scale or {}
     steps = list(zip(*res["link_steps"]))[1:]  # per step: every rank's {path: {link: bytes}}
-    return statistics.fmean(sum(r.get(p, {}).get(link, 0) * scale.get(p, 1.0) for r in step for p in paths)
-                            for step in steps)
+    return statistics.fmean(
+        sum(r.get(p, {}).get(link, 0) * scale.get(p, 1.0) for r in step for p in paths) for step in steps
+    )
 
 
 def summarize(results: dict) -> dict:
@@ -112,7 +119,8 @@ def summarize(results: dict) -> dict:
             "cross_node_bytes_per_step": _bytes(res, "inter"),
             # plain 1-D arms only: their weights path is the fp32 all-gather, halved for bf16 weights
             "cross_node_bytes_per_step_bf16_weights": _bytes(res, "inter", scale={"weights": 0.5})
-            if ARMS[name] is None else None,
+            if ARMS[name] is None
+            else None,
             "intra_node_bytes_per_step": _bytes(res, "intra"),
             "replicas_identical_every_step": res["replicas_identical_every_step"],
             "sdpq_self_reported_inter_bytes_per_step": res["sdpq_inter_bytes_per_step"],
@@ -121,11 +129,13 @@ def summarize(results: dict) -> dict:
         if quant in out and base in out:
             q, b = out[quant], out[base]
             q["cross_node_ratio"] = q["cross_node_bytes_per_step"] / b["cross_node_bytes_per_step"]
-            q["cross_node_ratio_vs_bf16_weights"] = (q["cross_node_bytes_per_step"]
-                                                     / b["cross_node_bytes_per_step_bf16_weights"])
+            q["cross_node_ratio_vs_bf16_weights"] = (
+                q["cross_node_bytes_per_step"] / b["cross_node_bytes_per_step_bf16_weights"]
+            )
             if quant == "hsdp+sdpq" and "hsdp_fp32_reduce" in out:
-                q["cross_node_ratio_vs_fp32_reduce"] = (q["cross_node_bytes_per_step"]
-                                                        / out["hsdp_fp32_reduce"]["cross_node_bytes_per_step"])
+                q["cross_node_ratio_vs_fp32_reduce"] = (
+                    q["cross_node_bytes_per_step"] / out["hsdp_fp32_reduce"]["cross_node_bytes_per_step"]
+                )
             q["final_loss_ratio"] = q["final_loss"] / b["final_loss"]
             q["val_loss_ratio"] = q["val_loss"] / b["val_loss"]
     return out
@@ -143,8 +153,16 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", help="run on 2 emulated nodes joined by a link of this rate (root), e.g. 1gbit")
     args = ap.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
-    spec = {"backend": "fsdp2", "model": {"d_model": args.d_model, "n_layer": args.n_layer}, "steps": args.steps,
-            "lr": args.lr, "micro_batch": 4, "ranks_per_node": RPN, "log_every": 0, "eval_batches": 8}
+    spec = {
+        "backend": "fsdp2",
+        "model": {"d_model": args.d_model, "n_layer": args.n_layer},
+        "steps": args.steps,
+        "lr": args.lr,
+        "micro_batch": 4,
+        "ranks_per_node": RPN,
+        "log_every": 0,
+        "eval_batches": 8,
+    }
     with tempfile.TemporaryDirectory(prefix="sdpq-hsdp-") as tmp:
         job, log = Path(tmp) / "job.json", Path(tmp) / "run.log"
         job.write_text(json.dumps({"arms": arms, "spec": spec}))
@@ -159,10 +177,12 @@ def main(argv=None) -> int:
                 code = run_job(cluster, argv, RPN, timeout=args.timeout, env=env, logs=Path(tmp) / "nodes")
             log = Path(tmp) / "nodes" / "node0.log"
         else:
-            code = run_local(argv, WORLD, log=log, timeout=args.timeout, env={"PYTHONPATH": path},
-                             on_line=lambda s: print(s, end=""))
-        results = {a: json.loads((Path(tmp) / f"{a}.json").read_text()) for a in arms
-                   if (Path(tmp) / f"{a}.json").exists()}
+            code = run_local(
+                argv, WORLD, log=log, timeout=args.timeout, env={"PYTHONPATH": path}, on_line=lambda s: print(s, end="")
+            )
+        results = {
+            a: json.loads((Path(tmp) / f"{a}.json").read_text()) for a in arms if (Path(tmp) / f"{a}.json").exists()
+        }
         if code != 0 or len(results) != len(arms):
             print(log.read_text()[-4000:])
             return 1

@@ -140,10 +140,13 @@ def worker(job_file: str, out_dir: str) -> None:
         if rank == 0:
             (Path(out_dir) / f"{arm}.json").write_text(json.dumps(res))
             s = summarize_arm(res, spec.steps)
-            print(f"{TAG}    {arm}: final loss {s['final_loss']:.4f}  val {s['val_loss']:.4f}  "
-                  f"cross-node {s['cross_node_bytes_per_step'] / 1e6:.3f} MB/step  "
-                  f"intra-node {s['intra_node_bytes_per_step'] / 1e6:.3f} MB/step  "
-                  f"{s['step_seconds']:.3f} s/step  ({res['wall_seconds']:.0f} s)", flush=True)
+            print(
+                f"{TAG}    {arm}: final loss {s['final_loss']:.4f}  val {s['val_loss']:.4f}  "
+                f"cross-node {s['cross_node_bytes_per_step'] / 1e6:.3f} MB/step  "
+                f"intra-node {s['intra_node_bytes_per_step'] / 1e6:.3f} MB/step  "
+                f"{s['step_seconds']:.3f} s/step  ({res['wall_seconds']:.0f} s)",
+                flush=True,
+            )
         dist.barrier()
     dist.destroy_process_group()
 
@@ -177,9 +180,11 @@ def summarize_arm(res: dict, steps: int) -> dict:
         "by_path_per_step": {p: {lk: _link(tot, (p,), lk) / n for lk in ("inter", "intra")} for p in PATHS},
         # Steps 2.. only: ZeRO++'s first step gathers from the hpZ copies made at initialisation.
         "steady_cross_node_bytes_per_step": statistics.median(step_link(s, "inter") for s in per_step[1:])
-        if len(per_step) > 1 else float("nan"),
+        if len(per_step) > 1
+        else float("nan"),
         "steady_intra_node_bytes_per_step": statistics.median(step_link(s, "intra") for s in per_step[1:])
-        if len(per_step) > 1 else float("nan"),
+        if len(per_step) > 1
+        else float("nan"),
     }
     if res["arm"] == "sdpq":
         out["sdpq_self_reported_cross_node_bytes_per_step"] = res["sdpq_cross_node_bytes_per_step"]
@@ -194,33 +199,46 @@ def summarize(results: dict, steps: int) -> dict:
         for x in arms.values():
             x["cross_node_ratio_vs_zero3"] = x["cross_node_bytes_per_step"] / b["cross_node_bytes_per_step"]
             x["intra_node_ratio_vs_zero3"] = x["intra_node_bytes_per_step"] / b["intra_node_bytes_per_step"]
-            x["steady_cross_node_ratio_vs_zero3"] = (x["steady_cross_node_bytes_per_step"]
-                                                     / b["steady_cross_node_bytes_per_step"])
+            x["steady_cross_node_ratio_vs_zero3"] = (
+                x["steady_cross_node_bytes_per_step"] / b["steady_cross_node_bytes_per_step"]
+            )
             x["final_loss_rel_diff_vs_zero3"] = (x["final_loss"] - b["final_loss"]) / b["final_loss"]
             x["val_loss_rel_diff_vs_zero3"] = (x["val_loss"] - b["val_loss"]) / b["val_loss"]
     return s
 
 
 def table(summary: dict) -> str:
-    rows = [["arm", "final loss", "val loss", "cross-node MB/step", "x ZeRO-3", "intra-node MB/step", "x ZeRO-3",
-             "s/step"]]
+    rows = [
+        ["arm", "final loss", "val loss", "cross-node MB/step", "x ZeRO-3", "intra-node MB/step", "x ZeRO-3", "s/step"]
+    ]
     for a, x in summary["arms"].items():
-        rows.append([a, f"{x['final_loss']:.4f}", f"{x['val_loss']:.4f}",
-                     f"{x['cross_node_bytes_per_step'] / 1e6:.4f}", f"{x.get('cross_node_ratio_vs_zero3', math.nan):.3f}",
-                     f"{x['intra_node_bytes_per_step'] / 1e6:.4f}", f"{x.get('intra_node_ratio_vs_zero3', math.nan):.3f}",
-                     f"{x['step_seconds']:.3f}"])
+        rows.append(
+            [
+                a,
+                f"{x['final_loss']:.4f}",
+                f"{x['val_loss']:.4f}",
+                f"{x['cross_node_bytes_per_step'] / 1e6:.4f}",
+                f"{x.get('cross_node_ratio_vs_zero3', math.nan):.3f}",
+                f"{x['intra_node_bytes_per_step'] / 1e6:.4f}",
+                f"{x.get('intra_node_ratio_vs_zero3', math.nan):.3f}",
+                f"{x['step_seconds']:.3f}",
+            ]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     notes = []
     for a, x in summary["arms"].items():
         if "sdpq_self_reported_cross_node_bytes_per_step" in x:
-            notes.append(f"sdpq's own statistics for the sdpq arm: "
-                         f"{x['sdpq_self_reported_cross_node_bytes_per_step'] / 1e6:.4f} cross-node MB/step "
-                         f"(process-group count above: {x['cross_node_bytes_per_step'] / 1e6:.4f})")
+            notes.append(
+                f"sdpq's own statistics for the sdpq arm: "
+                f"{x['sdpq_self_reported_cross_node_bytes_per_step'] / 1e6:.4f} cross-node MB/step "
+                f"(process-group count above: {x['cross_node_bytes_per_step'] / 1e6:.4f})"
+            )
         if "steady_cross_node_ratio_vs_zero3" in x and a != "zero3":
-            notes.append(f"{a}: steady state (steps 2..) cross-node ratio vs ZeRO-3 "
-                         f"{x['steady_cross_node_ratio_vs_zero3']:.3f}")
+            notes.append(
+                f"{a}: steady state (steps 2..) cross-node ratio vs ZeRO-3 {x['steady_cross_node_ratio_vs_zero3']:.3f}"
+            )
     return "\n".join(lines + [""] + notes)
 
 
@@ -235,7 +253,7 @@ def launch(job: dict, nproc: int, workdir: Path, timeout: float) -> dict:
 
     def show(line: str) -> None:
         if line.startswith(TAG):
-            print(line[len(TAG):].rstrip(), flush=True)
+            print(line[len(TAG) :].rstrip(), flush=True)
         elif line.startswith("step "):  # deepspeed_backend.train's progress lines (rank 0)
             print("      " + line.rstrip(), flush=True)
 
@@ -243,8 +261,9 @@ def launch(job: dict, nproc: int, workdir: Path, timeout: float) -> dict:
     # The ranks import this folder's helper package as `benchmarks.zeropp`: the repository root on their path.
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     code = run_local(argv, nproc, log=log, timeout=timeout, on_line=show, env={"PYTHONPATH": path})
-    results = {a: json.loads((out_dir / f"{a}.json").read_text()) for a in job["arms"]
-               if (out_dir / f"{a}.json").exists()}
+    results = {
+        a: json.loads((out_dir / f"{a}.json").read_text()) for a in job["arms"] if (out_dir / f"{a}.json").exists()
+    }
     if code != 0 or len(results) != len(job["arms"]):
         tail = log.read_text()[-4000:]
         raise RuntimeError(f"the launch failed (exit code {code}; arms finished: {list(results)}):\n{tail}")
@@ -255,9 +274,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", nargs=2, metavar=("JOB", "OUTDIR"), help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--arms", default=",".join(ARMS),
-                    help=f"comma-separated, from {','.join(ARMS + tuple(ZEROPP_PARTS))} (ablations: ZeRO++ "
-                         "without qgZ, qgZ alone)")
+    ap.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"comma-separated, from {','.join(ARMS + tuple(ZEROPP_PARTS))} (ablations: ZeRO++ without qgZ, qgZ alone)",
+    )
     ap.add_argument("--d-model", type=int, default=192)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
@@ -285,18 +306,31 @@ def main(argv=None) -> int:
         if a not in ARMS and a not in ZEROPP_PARTS:
             ap.error(f"--arms: unknown arm {a!r}; choose from {', '.join(ARMS + tuple(ZEROPP_PARTS))}")
     if args.nproc % args.ranks_per_node or args.nproc // args.ranks_per_node < 2:
-        ap.error(f"--nproc {args.nproc} must be a multiple of --ranks-per-node {args.ranks_per_node} "
-                 "with at least 2 nodes (ZeRO++'s qgZ and hpZ need more than one node)")
-    spec = RunSpec(backend="deepspeed", steps=args.steps, bf16=True, micro_batch=args.micro_batch, lr=args.lr,
-                   warmup=min(args.warmup, max(1, args.steps // 4)), seed=args.seed, eval_batches=args.eval_batches,
-                   log_every=args.log_every, ranks_per_node=args.ranks_per_node,
-                   model=GPTConfig(d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head,
-                                   seq_len=args.seq_len))
+        ap.error(
+            f"--nproc {args.nproc} must be a multiple of --ranks-per-node {args.ranks_per_node} "
+            "with at least 2 nodes (ZeRO++'s qgZ and hpZ need more than one node)"
+        )
+    spec = RunSpec(
+        backend="deepspeed",
+        steps=args.steps,
+        bf16=True,
+        micro_batch=args.micro_batch,
+        lr=args.lr,
+        warmup=min(args.warmup, max(1, args.steps // 4)),
+        seed=args.seed,
+        eval_batches=args.eval_batches,
+        log_every=args.log_every,
+        ranks_per_node=args.ranks_per_node,
+        model=GPTConfig(d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head, seq_len=args.seq_len),
+    )
     job = {"spec": dataclasses.asdict(spec), "arms": arms, "ranks_per_node": args.ranks_per_node}
     nodes = args.nproc // args.ranks_per_node
-    print(f"{args.nproc} gloo ranks as {nodes} simulated nodes x {args.ranks_per_node}; GPT d_model {args.d_model} "
-          f"x {args.n_layer} layers, seq {args.seq_len}, micro-batch {args.micro_batch}/rank, bf16, {args.steps} steps; "
-          f"arms {', '.join(arms)}", flush=True)
+    print(
+        f"{args.nproc} gloo ranks as {nodes} simulated nodes x {args.ranks_per_node}; GPT d_model {args.d_model} "
+        f"x {args.n_layer} layers, seq {args.seq_len}, micro-batch {args.micro_batch}/rank, bf16, {args.steps} steps; "
+        f"arms {', '.join(arms)}",
+        flush=True,
+    )
     workdir = Path(tempfile.mkdtemp(prefix="sdpq-zeropp-peer-"))
     t0 = time.perf_counter()
     results = launch(job, args.nproc, workdir, args.timeout)  # on failure the log stays in workdir

@@ -44,6 +44,7 @@ def _grace_s(timeout: float) -> float:
     at `timeout` and report a traceback; the parent only kills what is still silent after that."""
     return min(5.0, 1.0 + timeout / 2)
 
+
 _POOL_START_TIMEOUT_S = 60.0
 
 
@@ -337,8 +338,7 @@ class DistHarness:
         self._pools: dict[int, _Pool] = {}
         self.pools_started = 0  # for tests of the harness itself
 
-    def run(self, fn: Callable, world_size: int, ranks_per_node: int | None = None, *args,
-            timeout: float = 60) -> list:
+    def run(self, fn: Callable, world_size: int, ranks_per_node: int | None = None, *args, timeout: float = 60) -> list:
         """Run `fn(ctx, *args)` on `world_size` gloo ranks; return the per-rank results in rank
         order. `ranks_per_node` (default: world_size, i.e. one node) sets the simulated layout
         and the LOCAL_WORLD_SIZE/LOCAL_RANK environment of the ranks. Raises DistTestError with
@@ -402,18 +402,26 @@ class DistHarness:
                 sys.stdout.write(f"---- output of rank {r} ----\n{outputs[r]}")
         if errors:
             first = next(iter(errors))  # first to report: the likeliest root cause
-            others = "".join(f"\n(rank {r} also failed: {tb.strip().splitlines()[-1]})"
-                             for r, tb in errors.items() if r != first)
+            others = "".join(
+                f"\n(rank {r} also failed: {tb.strip().splitlines()[-1]})" for r, tb in errors.items() if r != first
+            )
             raise DistTestError(
                 f"rank {first} of {n} (ranks_per_node={ranks_per_node}) raised:\n{errors[first]}{others}",
-                first, errors[first], errors)
+                first,
+                errors[first],
+                errors,
+            )
         if pending:
             hung = sorted(pending)
             stacks = pool.dump_stacks(hung)
             text = "".join(f"\n---- rank {r} stack ----\n{stacks.get(r, '(none)')}" for r in hung)
             raise DistTimeoutError(
                 f"ranks {hung} of {n} did not finish within {timeout:g}s (+{_grace_s(timeout):g}s grace); "
-                f"pool killed{text}", hung, stacks, errors)
+                f"pool killed{text}",
+                hung,
+                stacks,
+                errors,
+            )
         return results
 
     def discard(self, world_size: int) -> None:

@@ -95,7 +95,11 @@ def test_to_dict_round_trips(mode, wbits, group, had, chunks, states, rpn):
 
 
 def test_from_deepspeed_reads_only_the_sdpq_block(tmp_path):
-    ds = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "whatever": 1}, "sdpq": {"weights": {"mode": "exact"}}}
+    ds = {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 3, "whatever": 1},
+        "sdpq": {"weights": {"mode": "exact"}},
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     assert Config.from_deepspeed(path).weights.mode == "exact"
@@ -133,11 +137,14 @@ def test_committed_reference_is_current():
     assert committed.strip() == describe().strip(), "regenerate: sdpq config --doc > docs/config.md"
 
 
-@pytest.mark.parametrize("zero,message", [
-    ({"stage": 2}, "ZeRO stage 3"),
-    ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
-    ({"stage": 3, "offload_param": {"device": "nvme"}}, "nvme"),
-])
+@pytest.mark.parametrize(
+    "zero,message",
+    [
+        ({"stage": 2}, "ZeRO stage 3"),
+        ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "nvme"),
+    ],
+)
 def test_config_check_runs_the_checks_of_initialize(tmp_path, capsys, zero, message):
     """`sdpq config --check` rejects what sdpq.deepspeed.initialize rejects, and passes what it starts."""
     from sdpq.cli import main
@@ -164,11 +171,13 @@ def test_the_largest_tiles_are_allowed():
     """TILE_MAX itself is accepted for every group size and the Hadamard block."""
     from sdpq.config import TILE_MAX
 
-    c = Config.from_dict({
-        "weights": {"group_size": TILE_MAX},
-        "gradients": {"intra_group_size": TILE_MAX, "inter_group_size": TILE_MAX, "hadamard_block": TILE_MAX},
-        "optimizer": {"group_size": TILE_MAX},
-    })
+    c = Config.from_dict(
+        {
+            "weights": {"group_size": TILE_MAX},
+            "gradients": {"intra_group_size": TILE_MAX, "inter_group_size": TILE_MAX, "hadamard_block": TILE_MAX},
+            "optimizer": {"group_size": TILE_MAX},
+        }
+    )
     assert c.weights.group_size == c.gradients.hadamard_block == c.optimizer.group_size == TILE_MAX == 4096
 
 
@@ -176,9 +185,15 @@ def test_deepspeed_optimizer_hyperparameters_are_checked_as_adamw_checks_them():
     """`sdpq config --check` refuses the DeepSpeed optimizer values sdpq's AdamW would refuse."""
     from sdpq.integrations import IncompatibleConfigError, check_deepspeed_config
 
-    for params, message in (({"lr": float("inf")}, '"optimizer"."params".lr: invalid value inf'),
-                            ({"betas": [0.9, 1.5]}, '"optimizer"."params".betas: invalid value [0.9, 1.5]')):
-        ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
-              "optimizer": {"type": "AdamW", "params": params}, "sdpq": {"weights": {}}}
+    for params, message in (
+        ({"lr": float("inf")}, '"optimizer"."params".lr: invalid value inf'),
+        ({"betas": [0.9, 1.5]}, '"optimizer"."params".betas: invalid value [0.9, 1.5]'),
+    ):
+        ds = {
+            "zero_optimization": {"stage": 3},
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": params},
+            "sdpq": {"weights": {}},
+        }
         with pytest.raises(IncompatibleConfigError, match=re.escape(message)):
             check_deepspeed_config(ds, Config.from_deepspeed(ds))

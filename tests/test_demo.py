@@ -27,23 +27,61 @@ def test_default_arms_are_bf16_baselines_and_their_sdpq_arms():
 
 def test_ratios_are_against_the_bf16_baseline_and_fp32_only_as_context():
     def rec(arm, loss, nbytes, opt, s):
-        return dict(arm=arm, precision=ARMS[arm].precision, final_loss=loss, val_loss=loss,
-                    cross_node_bytes_per_step=nbytes, optimizer_bytes_per_param=opt, step_seconds=s, losses=[loss])
+        return dict(
+            arm=arm,
+            precision=ARMS[arm].precision,
+            final_loss=loss,
+            val_loss=loss,
+            cross_node_bytes_per_step=nbytes,
+            optimizer_bytes_per_param=opt,
+            step_seconds=s,
+            losses=[loss],
+        )
 
     console = Console(record=True, width=200)
-    _table([rec("zero3", 2.0, 100.0, 14.0, 1.0), rec("zero3+sdpq", 2.0, 10.0, 6.2, 1.5),
-            rec("zero3-fp32", 2.0, 200.0, 16.0, 0.5)], console)
+    _table(
+        [
+            rec("zero3", 2.0, 100.0, 14.0, 1.0),
+            rec("zero3+sdpq", 2.0, 10.0, 6.2, 1.5),
+            rec("zero3-fp32", 2.0, 200.0, 16.0, 0.5),
+        ],
+        console,
+    )
     out = console.export_text()
     assert "fp32 (context)" in out and "bf16 mixed" in out
-    assert ("zero3+sdpq vs zero3 (bf16 mixed precision): final loss ratio 1.0000, val loss ratio 1.0000, "
-            "cross-node bytes ratio 0.100, step time ratio 1.50, optimizer bytes/param 6.20 vs 14.00") in out
-    assert ("zero3+sdpq vs zero3-fp32 (fp32, context only): cross-node bytes ratio 0.050, step time ratio 3.00, "
-            "optimizer bytes/param 6.20 vs 16.00") in out
+    assert (
+        "zero3+sdpq vs zero3 (bf16 mixed precision): final loss ratio 1.0000, val loss ratio 1.0000, "
+        "cross-node bytes ratio 0.100, step time ratio 1.50, optimizer bytes/param 6.20 vs 14.00"
+    ) in out
+    assert (
+        "zero3+sdpq vs zero3-fp32 (fp32, context only): cross-node bytes ratio 0.050, step time ratio 3.00, "
+        "optimizer bytes/param 6.20 vs 16.00"
+    ) in out
 
 
 def test_demo_writes_records_and_plot(tmp_path, capsys):
-    rc = main(["demo", "--out", str(tmp_path), "--steps", "3", "--d-model", "64", "--n-layer", "2", "--ranks", "2",
-               "--ranks-per-node", "1", "--arms", "fsdp2", "fsdp2+sdpq", "--tail", "2"])
+    rc = main(
+        [
+            "demo",
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "3",
+            "--d-model",
+            "64",
+            "--n-layer",
+            "2",
+            "--ranks",
+            "2",
+            "--ranks-per-node",
+            "1",
+            "--arms",
+            "fsdp2",
+            "fsdp2+sdpq",
+            "--tail",
+            "2",
+        ]
+    )
     assert rc == 0
     records = json.loads((tmp_path / "results.json").read_text())
     assert [r["arm"] for r in records] == ["fsdp2", "fsdp2+sdpq"]
@@ -77,5 +115,6 @@ def test_every_arm_trains_the_model_asked_for(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--model", "foo"])
     # argparse quotes the choices on Python < 3.12.8 / 3.13.1 and not after.
-    assert re.search(r"argument --model: invalid choice: 'foo' \(choose from '?gpt'?, '?llama'?\)",
-                     capsys.readouterr().err)
+    assert re.search(
+        r"argument --model: invalid choice: 'foo' \(choose from '?gpt'?, '?llama'?\)", capsys.readouterr().err
+    )

@@ -47,15 +47,24 @@ __all__ = [
 # backward gathers again, as it must when the model is far larger than these buckets. Parameters
 # under 1000 elements (biases, norms) stay persistent (gathered once per step, after the
 # optimizer), like the small parameters under the default 1e5 threshold at scale.
-ZERO3_AT_SCALE = {"zero_optimization": {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0,
-                                        "stage3_param_persistence_threshold": 1000}}
+ZERO3_AT_SCALE = {
+    "zero_optimization": {
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_param_persistence_threshold": 1000,
+    }
+}
 
 
 def zeropp_overrides(ranks_per_node: int, *, qwz: bool = True, hpz: bool = True, qgz: bool = True) -> dict:
     """The "zero_optimization" keys that turn ZeRO++ on (merge into a ZeRO-3 config)."""
-    return {"zero_optimization": {"zero_quantized_weights": qwz,
-                                  "zero_hpz_partition_size": ranks_per_node if hpz else 1,
-                                  "zero_quantized_gradients": qgz}}
+    return {
+        "zero_optimization": {
+            "zero_quantized_weights": qwz,
+            "zero_hpz_partition_size": ranks_per_node if hpz else 1,
+            "zero_quantized_gradients": qgz,
+        }
+    }
 
 
 @contextlib.contextmanager
@@ -65,13 +74,18 @@ def install_cpu_kernels():
     import deepspeed.runtime.zero.partition_parameters as pp
 
     cuda_quantizer = getattr(pp, "CUDAQuantizer", None)
-    if cuda_quantizer is None or not hasattr(cuda_quantizer, "quantizer_cuda_module") \
-            or not hasattr(cc, "quantizer_module"):
+    if (
+        cuda_quantizer is None
+        or not hasattr(cuda_quantizer, "quantizer_cuda_module")
+        or not hasattr(cc, "quantizer_module")
+    ):
         import deepspeed
 
-        raise RuntimeError(f"DeepSpeed {deepspeed.__version__}: partition_parameters.CUDAQuantizer."
-                           "quantizer_cuda_module / coalesced_collectives.quantizer_module not found; "
-                           "benchmarks.zeropp is written against DeepSpeed 0.19.8")
+        raise RuntimeError(
+            f"DeepSpeed {deepspeed.__version__}: partition_parameters.CUDAQuantizer."
+            "quantizer_cuda_module / coalesced_collectives.quantizer_module not found; "
+            "benchmarks.zeropp is written against DeepSpeed 0.19.8"
+        )
     saved = (cuda_quantizer.quantizer_cuda_module, cc.quantizer_module, pp._dist_allgather_fn)
     cuda_quantizer.quantizer_cuda_module = CPUQuantizerOps
     cc.quantizer_module = CPUQuantizerOps
@@ -106,9 +120,11 @@ def simulate_nodes(ranks_per_node: int):
     try:
         seen = get_accelerator().device_count()
         if seen != ranks_per_node:
-            raise RuntimeError(f"DeepSpeed's accelerator {get_accelerator().device_name()!r} reports {seen} devices "
-                               f"per node with LOCAL_SIZE={ranks_per_node}; node simulation needs the CPU "
-                               "accelerator (DS_ACCELERATOR=cpu)")
+            raise RuntimeError(
+                f"DeepSpeed's accelerator {get_accelerator().device_name()!r} reports {seen} devices "
+                f"per node with LOCAL_SIZE={ranks_per_node}; node simulation needs the CPU "
+                "accelerator (DS_ACCELERATOR=cpu)"
+            )
         yield
     finally:
         if saved is None:

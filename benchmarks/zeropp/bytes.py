@@ -77,8 +77,12 @@ def _sends(method: str, k: int, me: int, args: tuple) -> dict[int, int]:
     others = [j for j in range(k) if j != me]
     if method in ("all_gather_single", "_allgather_base"):  # (output, input, opts)
         return dict.fromkeys(others, _nbytes(args[1]))
-    if method in ("allgather", "allgather_coalesced", "all_gather_single_coalesced",
-                  "allgather_into_tensor_coalesced"):  # (outputs, inputs, opts)
+    if method in (
+        "allgather",
+        "allgather_coalesced",
+        "all_gather_single_coalesced",
+        "allgather_into_tensor_coalesced",
+    ):  # (outputs, inputs, opts)
         return dict.fromkeys(others, _nbytes(_flat(args[1])))
     if method in ("reduce_scatter_single", "_reduce_scatter_base"):  # (output, input, opts)
         return dict.fromkeys(others, _nbytes(args[1]) // k)
@@ -163,8 +167,10 @@ class LinkBytes:
         def wrapper(pg, *args, **kwargs):
             if counter.enabled:
                 if kwargs:  # torch 2.13's distributed_c10d passes everything positionally
-                    raise RuntimeError(f"LinkBytes: ProcessGroup.{name} called with keyword arguments "
-                                       f"{sorted(kwargs)}; benchmarks/zeropp/bytes.py:_sends reads positions")
+                    raise RuntimeError(
+                        f"LinkBytes: ProcessGroup.{name} called with keyword arguments "
+                        f"{sorted(kwargs)}; benchmarks/zeropp/bytes.py:_sends reads positions"
+                    )
                 counter._record(name, pg, args)
             return orig(pg, *args, **kwargs)
 

@@ -196,14 +196,16 @@ def _dequantize(quantized_data, params, groups, num_bits, quant_type, dtype) -> 
     return out.reshape(_packed_shape(quantized_data.shape, num_bits, grow=True))
 
 
-def dequantize(quantized_data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int,
-               quant_type) -> torch.Tensor:
+def dequantize(
+    quantized_data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int, quant_type
+) -> torch.Tensor:
     """``dequantize<__half>``: fp16 values, last dim doubled for int4."""
     return _dequantize(quantized_data, params, groups, num_bits, quant_type, torch.float16)
 
 
-def dequantize_fp32(quantized_data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int,
-                    quant_type) -> torch.Tensor:
+def dequantize_fp32(
+    quantized_data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int, quant_type
+) -> torch.Tensor:
     """``dequantize<float>``: fp32 values, last dim doubled for int4."""
     return _dequantize(quantized_data, params, groups, num_bits, quant_type, torch.float32)
 
@@ -212,8 +214,10 @@ def swizzle_slots(groups: int, pipeline_size: int, nodes: int, devices_per_node:
     """Output group index of every input group (``swizzled_quant_kernel``'s block mapping)."""
     partitions = nodes * devices_per_node
     if groups % partitions or (groups // partitions) % pipeline_size:
-        raise ValueError(f"swizzle_quant: {groups} groups do not split into {partitions} partitions x "
-                         f"{pipeline_size} pipeline slices")
+        raise ValueError(
+            f"swizzle_quant: {groups} groups do not split into {partitions} partitions x "
+            f"{pipeline_size} pipeline slices"
+        )
     contiguous = groups // partitions // pipeline_size
     g = torch.arange(groups)
     x = g % contiguous
@@ -223,8 +227,15 @@ def swizzle_slots(groups: int, pipeline_size: int, nodes: int, devices_per_node:
     return out_partition * contiguous + x
 
 
-def swizzle_quant(input_vals: torch.Tensor, groups: int, num_bits: int, quant_type, pipeline_size: int,
-                  nodes: int, devices_per_node: int) -> list[torch.Tensor]:
+def swizzle_quant(
+    input_vals: torch.Tensor,
+    groups: int,
+    num_bits: int,
+    quant_type,
+    pipeline_size: int,
+    nodes: int,
+    devices_per_node: int,
+) -> list[torch.Tensor]:
     """``ds_swizzle_quant``: [flat int8 (numel / (8 / num_bits)), fp32 params [groups, 1|2]], the
     groups reordered so that the data for each intra-node peer is one contiguous run."""
     qt = _check(num_bits, quant_type)
@@ -240,16 +251,25 @@ def swizzle_quant(input_vals: torch.Tensor, groups: int, num_bits: int, quant_ty
     return [pack_int4(flat) if num_bits == 4 else flat, p_out]
 
 
-def quantized_reduction(input_vals: torch.Tensor, input_scales: torch.Tensor, in_groups: int, out_groups: int,
-                        num_bits: int, quant_type, devices_per_node: int) -> list[torch.Tensor]:
+def quantized_reduction(
+    input_vals: torch.Tensor,
+    input_scales: torch.Tensor,
+    in_groups: int,
+    out_groups: int,
+    num_bits: int,
+    quant_type,
+    devices_per_node: int,
+) -> list[torch.Tensor]:
     """``quantized_reduction`` (``dequant_reduce``): the ``devices_per_node`` quantized tensors
     stored back to back in ``input_vals`` (each with ``in_groups / devices_per_node`` groups of
     ``input_scales``) are dequantized to fp16, summed in fp16 and re-quantized into
     ``out_groups`` groups: [int8 (last dim / devices_per_node), fp32 params [out_groups, 1|2]]."""
     qt = _check(num_bits, quant_type)
     if input_vals.numel() % devices_per_node or in_groups % devices_per_node:
-        raise ValueError(f"quantized_reduction: {input_vals.numel()} bytes / {in_groups} groups do not split "
-                         f"over {devices_per_node} devices")
+        raise ValueError(
+            f"quantized_reduction: {input_vals.numel()} bytes / {in_groups} groups do not split "
+            f"over {devices_per_node} devices"
+        )
     per_tensor_bytes = input_vals.numel() // devices_per_node
     per_tensor_groups = in_groups // devices_per_node
     data = input_vals.reshape(devices_per_node, per_tensor_bytes)

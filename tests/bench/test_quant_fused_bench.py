@@ -22,4 +22,5 @@ def test_records_for_every_op_on_cpu():
         assert r["vs_copy"] == 1.0 and r["speedup_vs_pytorch"] == 1.0 and r["gbps"] > 0
     assert len(calls) == len(recs) + 3 * (len(recs) // len(paths))  # each op path; three copies per op
     assert quant_fused.run([1 << 12], torch.device("cpu"), timer, only=["grads_reduce"])[0]["primitive"].startswith(
-        "grads_reduce")
+        "grads_reduce"
+    )

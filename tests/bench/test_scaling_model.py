@@ -48,7 +48,11 @@ def test_fit_recovers_the_constants_of_a_synthetic_table(monkeypatch):
     for name in sm.FIT_ON:
         _, _, lay = table[(H800.name, name)]
         m = MODELS[name]
-        table[(H800.name, name)] = (tflops(H800, m, lay, "baseline", truth), tflops(H800, m, lay, "sdp4bit", truth), lay)
+        table[(H800.name, name)] = (
+            tflops(H800, m, lay, "baseline", truth),
+            tflops(H800, m, lay, "sdp4bit", truth),
+            lay,
+        )
     monkeypatch.setattr(sm, "PUBLISHED", table)
     k = sm.fit(H800)
     assert (k.mfu, k.link_efficiency) == (0.37, 0.62)
@@ -63,7 +67,10 @@ def test_kernel_efficiency_comes_from_a_gpu_report(tmp_path):
 
     def report(rehearsal, shares):
         figures = {f"k{i}": {"of_copy": s, "kernel_gb_s": 1.0} for i, s in enumerate(shares)}
-        doc = {"meta": {"rehearsal": rehearsal}, "steps": [{"name": "throughput", "status": "pass", "figures": figures}]}
+        doc = {
+            "meta": {"rehearsal": rehearsal},
+            "steps": [{"name": "throughput", "status": "pass", "figures": figures}],
+        }
         p = tmp_path / f"r{rehearsal}.json"
         p.write_text(json.dumps(doc))
         return str(p)

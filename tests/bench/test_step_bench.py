@@ -75,8 +75,7 @@ def test_instrument_times_collectives_once_and_restores():
         def is_completed(self):
             return True
 
-    mod = types.SimpleNamespace(all_reduce=lambda x, async_op=False: Work() if async_op else None,
-                                barrier=lambda: None)
+    mod = types.SimpleNamespace(all_reduce=lambda x, async_op=False: Work() if async_op else None, barrier=lambda: None)
     orig = mod.all_reduce
     undo = timing.instrument(mod, ["all_reduce", "missing"], wrap_work=True)
     prev = timing.enable()
@@ -107,8 +106,17 @@ def _step(total, **own):
 
 
 def test_breakdown_and_aggregate_add_up():
-    s = _step(1.0, **{"train.fwd_bwd": 0.4, "weights.encode": 0.05, "grads.reduce": 0.1, "comm.grads": 0.2,
-                      "comm.other": 0.05, "train.optim": 0.1})
+    s = _step(
+        1.0,
+        **{
+            "train.fwd_bwd": 0.4,
+            "weights.encode": 0.05,
+            "grads.reduce": 0.1,
+            "comm.grads": 0.2,
+            "comm.other": 0.05,
+            "train.optim": 0.1,
+        },
+    )
     row = step_bench.breakdown(s)
     assert row["comm_wait"] == pytest.approx(0.25) and row["rest"] == pytest.approx(0.1)
     assert sum(row[c] for c in step_bench.PARTS) + row["rest"] == pytest.approx(row["total"])
@@ -139,8 +147,31 @@ def test_bench_step_cli_smoke_fsdp2(capsys):
     """Tiny GPT, 2 ranks as 2 nodes x 1 (inter-node paths), 3 steps: both rows, parts <= total."""
     from sdpq.cli import main
 
-    rc = main(["bench", "step", "--json", "--backends", "fsdp2", "--steps", "3", "--warmup", "1", "--ranks", "2",
-               "--ranks-per-node", "1", "--d-model", "32", "--n-layer", "1", "--seq-len", "32", "--micro-batch", "2"])
+    rc = main(
+        [
+            "bench",
+            "step",
+            "--json",
+            "--backends",
+            "fsdp2",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--ranks",
+            "2",
+            "--ranks-per-node",
+            "1",
+            "--d-model",
+            "32",
+            "--n-layer",
+            "1",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+        ]
+    )
     assert rc == 0
     records = json.loads(capsys.readouterr().out)
     _check_rows(records, ["fsdp2"])
@@ -153,9 +184,20 @@ def _ds_timing(ctx, block):
     from sdpq.train.run import RunSpec
 
     reset_deepspeed_groups()
-    spec = RunSpec(backend="deepspeed", model=GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=32), sdpq=block,
-                   steps=3, micro_batch=2, warmup=1, eval_batches=0, log_every=0, ranks_per_node=1,
-                   mixed_precision="bf16", bf16=block is not None, timing=True)
+    spec = RunSpec(
+        backend="deepspeed",
+        model=GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=32),
+        sdpq=block,
+        steps=3,
+        micro_batch=2,
+        warmup=1,
+        eval_batches=0,
+        log_every=0,
+        ranks_per_node=1,
+        mixed_precision="bf16",
+        bf16=block is not None,
+        timing=True,
+    )
     r = deepspeed_backend.train(spec)
     assert not timing.enabled()  # restored after the run
     return r.extra["timing"]
@@ -167,7 +209,8 @@ def test_deepspeed_timing_plain_and_sdpq(dist):
     for block in (None, {"weights": {}, "gradients": {}, "optimizer": {}}):
         t = dist.run(_ds_timing, 2, 1, block, timeout=120)[0]
         assert len(t) == 2 and all(len(per_rank) == 3 for per_rank in t)
-        rows.append(dict(backend="deepspeed", kind="plain" if block is None else "sdpq",
-                         **step_bench.aggregate(t, warmup=1)))
+        rows.append(
+            dict(backend="deepspeed", kind="plain" if block is None else "sdpq", **step_bench.aggregate(t, warmup=1))
+        )
     rows[0]["vs_baseline"], rows[1]["vs_baseline"] = 1.0, rows[1]["total"] / rows[0]["total"]
     _check_rows(rows, ["deepspeed"])

@@ -213,7 +213,7 @@ def test_deepspeed_qgz_flow_values_and_link_bytes(dist):
     chunk = numel // world
     for rank, (out, total, counts) in enumerate(res):
         assert out.dtype == torch.float16 and out.shape == (chunk,)
-        mine = total.reshape(-1)[rank * chunk:(rank + 1) * chunk]
+        mine = total.reshape(-1)[rank * chunk : (rank + 1) * chunk]
         # DeepSpeed divides the two-hop sum by num_nodes (not by the world size as its
         # reduce-scatter path does): the result is dpn x the mean. Both int4 hops add error.
         slope = float(out.float() @ mine / (mine @ mine))  # least squares: out ~ slope * sum
@@ -237,8 +237,18 @@ def _train(ctx, zeropp: bool, steps: int):
     from sdpq.train.run import RunSpec
 
     _setup_deepspeed(ctx)
-    spec = RunSpec(backend="deepspeed", model=GPTConfig(**TINY), steps=steps, micro_batch=2, lr=3e-3, warmup=2,
-                   eval_batches=1, log_every=0, ranks_per_node=ctx.ranks_per_node, bf16=True)
+    spec = RunSpec(
+        backend="deepspeed",
+        model=GPTConfig(**TINY),
+        steps=steps,
+        micro_batch=2,
+        lr=3e-3,
+        warmup=2,
+        eval_batches=1,
+        log_every=0,
+        ranks_per_node=ctx.ranks_per_node,
+        bf16=True,
+    )
     # ZERO3_AT_SCALE (backward gathers again, as it must at scale, so hpZ has work), and every
     # parameter partitioned (threshold 0) so that even the biases take the quantized paths.
     over = {"zero_optimization": dict(ZERO3_AT_SCALE["zero_optimization"], stage3_param_persistence_threshold=0)}
@@ -254,6 +264,7 @@ def _train(ctx, zeropp: bool, steps: int):
         def wrapper(*a, **k):
             calls[name] += 1
             return fn(*a, **k)
+
         return staticmethod(wrapper)
 
     with simulate_nodes(ctx.ranks_per_node), install_cpu_kernels(), LinkBytes(ctx.ranks_per_node) as counter:
@@ -267,8 +278,13 @@ def _train(ctx, zeropp: bool, steps: int):
                 setattr(ops, n, f)
     per_rank = [None] * ctx.world_size
     torch.distributed.all_gather_object(per_rank, counter.as_dict())
-    return {"losses": r.losses, "val": r.val_loss, "bytes": sum_over_ranks(per_rank), "calls": calls,
-            "ds_config": r.extra["ds_config"]["zero_optimization"]}
+    return {
+        "losses": r.losses,
+        "val": r.val_loss,
+        "bytes": sum_over_ranks(per_rank),
+        "calls": calls,
+        "ds_config": r.extra["ds_config"]["zero_optimization"],
+    }
 
 
 def test_zeropp_zero3_trains_on_two_simulated_nodes(dist):
@@ -288,10 +304,14 @@ def test_zeropp_zero3_trains_on_two_simulated_nodes(dist):
     def inter(b, path):
         return b["total"].get(path, {}).get("inter", {}).get("bytes", 0)
 
-    print(f"losses zero++ {[round(x, 3) for x in z['losses']]}\n       zero-3 {[round(x, 3) for x in base[0]['losses']]}")
+    print(
+        f"losses zero++ {[round(x, 3) for x in z['losses']]}\n       zero-3 {[round(x, 3) for x in base[0]['losses']]}"
+    )
     for path in ("weights", "gradients", "other"):
-        print(f"{path:9s} inter-node bytes/step zero++ {inter(zb, path) / steps:10.0f}  "
-              f"zero-3 {inter(bb, path) / steps:10.0f}")
+        print(
+            f"{path:9s} inter-node bytes/step zero++ {inter(zb, path) / steps:10.0f}  "
+            f"zero-3 {inter(bb, path) / steps:10.0f}"
+        )
 
     # Steady state (step 1 is special: ZeRO++'s first forward uses the hpZ copies made at init).
     # qwZ: the forward gather is int8 (+ scales) instead of bf16; hpZ: the backward gather stays

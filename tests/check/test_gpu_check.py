@@ -72,5 +72,9 @@ def test_limits_fit_the_gpu_budget():
 
 def test_device_command_installs_only_what_is_carried():
     cmd = pack.device_command()
-    assert "--no-index" in cmd and "--target /tmp/site" in cmd and cmd.endswith('./run gpu-check --out "${OUT:-runs/gpu_check}"')
+    assert (
+        "--no-index" in cmd
+        and "--target /tmp/site" in cmd
+        and cmd.endswith('./run gpu-check --out "${OUT:-runs/gpu_check}"')
+    )
     assert len(cmd) < 2000  # the device tool's limit on one command

@@ -40,7 +40,7 @@ def exact_chunk(inputs: torch.Tensor, rank: int) -> torch.Tensor:
     c = -(-numel // N)
     full = torch.zeros(N * c, dtype=torch.float64)
     full[:numel] = inputs.double().sum(0)
-    return full[rank * c:(rank + 1) * c]
+    return full[rank * c : (rank + 1) * c]
 
 
 def rs_error_bound(inputs: torch.Tensor, rank: int, ranks_per_node: int, rs) -> tuple[torch.Tensor, str]:
@@ -102,7 +102,7 @@ def rs_error_bound(inputs: torch.Tensor, rank: int, ranks_per_node: int, rs) -> 
     T = T * (1 + 1e-5) + 1e-5 * Yd.abs().sum(0)
     if cfg.hadamard:
         B = rs.hadamard_block
-        return T.view(-1, B).norm(dim=-1) * B ** 0.5, "block_l2"
+        return T.view(-1, B).norm(dim=-1) * B**0.5, "block_l2"
     return T, "elementwise"
 
 

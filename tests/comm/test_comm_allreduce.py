@@ -66,9 +66,13 @@ def test_same_bits_everywhere_and_within_the_quantizer_bound(dist, across_nodes,
     res = dist.run(_all_reduce_case, 4, 2, numel, {"rounding": "nearest"}, across_nodes, dtype, "outliers")
     for group in {tuple(r["members"]) for r in res}:
         outs = [res[m]["out"] for m in group]
-        assert all(torch.equal(o.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                               outs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
-                   for o in outs)  # bitwise
+        assert all(
+            torch.equal(
+                o.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                outs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            )
+            for o in outs
+        )  # bitwise
         r = res[group[0]]
         assert r["layout"] == ("2x1" if across_nodes else "2x2")
         # Phase 2 against the exact phase-1 sums: within the rounding bound, block by block.
@@ -86,8 +90,9 @@ def test_same_bits_everywhere_and_within_the_quantizer_bound(dist, across_nodes,
         # Overall: two 4-bit roundings of Hadamard-smoothed values.
         rel = float((got.double() - r["exact"]).norm() / r["exact"].norm())
         assert rel < 0.15, rel
-        print(f"{r['layout']} {dtype}: rel err {rel:.4f}, phase-2 err / bound max "
-              f"{float((err_blocks / bound).max()):.3f}")
+        print(
+            f"{r['layout']} {dtype}: rel err {rel:.4f}, phase-2 err / bound max {float((err_blocks / bound).max()):.3f}"
+        )
 
 
 def test_stochastic_default_and_bytes(dist):

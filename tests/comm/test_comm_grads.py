@@ -28,17 +28,23 @@ def _rs_case(ctx, numel, cfg_kwargs, kind, seed):
 
 
 @pytest.mark.parametrize("nodes,rpn", LAYOUTS, ids=IDS)
-@pytest.mark.parametrize("cfg", [
-    {},  # defaults: stochastic rounding, Hadamard, group 128, 8-bit intra / 4-bit inter
-    {"rounding": "nearest", "hadamard": False, "pipeline_chunks": 2},
-], ids=["default", "nearest-noH-pipe2"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},  # defaults: stochastic rounding, Hadamard, group 128, 8-bit intra / 4-bit inter
+        {"rounding": "nearest", "hadamard": False, "pipeline_chunks": 2},
+    ],
+    ids=["default", "nearest-noH-pipe2"],
+)
 def test_matches_fp64_sum_within_bound(dist, nodes, rpn, cfg):
     res = dist.run(_rs_case, nodes * rpn, rpn, 4096 * nodes * rpn, cfg, "normal", 1)
     for r in res:
         assert r["ratio"] <= 1.0, r["ratio"]
         assert r["rel"] < (0.2 if nodes > 1 else 0.02), r["rel"]  # 4-bit stochastic: ~0.1-0.15
-    print(f"layout {nodes}x{rpn} {cfg or 'default'}: rel err max "
-          f"{max(r['rel'] for r in res):.4g}, max err/bound {max(r['ratio'] for r in res):.3f}")
+    print(
+        f"layout {nodes}x{rpn} {cfg or 'default'}: rel err max "
+        f"{max(r['rel'] for r in res):.4g}, max err/bound {max(r['ratio'] for r in res):.3f}"
+    )
 
 
 @pytest.mark.parametrize("numel", [1, 1001, 12345])
@@ -48,7 +54,7 @@ def test_any_bucket_length(dist, numel):
         assert r["out"].shape == r["exact"].shape
         assert r["ratio"] <= 1.0
     c = -(-numel // 6)
-    assert all(torch.all(res[k]["out"][max(0, numel - k * c):] == 0) for k in range(6))
+    assert all(torch.all(res[k]["out"][max(0, numel - k * c) :] == 0) for k in range(6))
 
 
 def _exact_vs_plain(ctx, numel, kind):
@@ -111,7 +117,9 @@ def _error_feedback(ctx, numel, steps, ef):
     acc_exact = torch.zeros(rs.chunk_numel, dtype=torch.float64)
     for t in range(steps):
         # A slowly varying gradient: a fixed direction plus fresh noise, like consecutive steps.
-        inputs = all_inputs(ctx.world_size, numel, "normal", 6) + 0.3 * all_inputs(ctx.world_size, numel, "normal", 100 + t)
+        inputs = all_inputs(ctx.world_size, numel, "normal", 6) + 0.3 * all_inputs(
+            ctx.world_size, numel, "normal", 100 + t
+        )
         acc_out += rs(inputs[ctx.rank].clone()).double()
         acc_exact += exact_chunk(inputs, ctx.rank)
     return float((acc_out - acc_exact).norm() / acc_exact.norm())
@@ -121,8 +129,10 @@ def test_error_feedback_cuts_accumulated_error(dist):
     without = dist.run(_error_feedback, 4, 2, 4 * 2048, 50, False)
     with_ef = dist.run(_error_feedback, 4, 2, 4 * 2048, 50, True)
     ratio = sum(without) / sum(with_ef)
-    print(f"accumulated rel err over 50 calls: without EF {sum(without) / 4:.4g}, "
-          f"with EF {sum(with_ef) / 4:.4g}, ratio {ratio:.2f}")
+    print(
+        f"accumulated rel err over 50 calls: without EF {sum(without) / 4:.4g}, "
+        f"with EF {sum(with_ef) / 4:.4g}, ratio {ratio:.2f}"
+    )
     assert ratio >= 2
 
 
@@ -146,7 +156,9 @@ def _nonfinite(ctx, numel, cfg_kwargs, value, bad_rank, steps):
         if t == 0 and ctx.rank == bad_rank:
             x[numel // 3] = value
         outs.append(rs(x))
-    return [bool(torch.isfinite(o).all()) for o in outs], [bool(torch.isnan(o).any() or torch.isinf(o).any()) for o in outs]
+    return [bool(torch.isfinite(o).all()) for o in outs], [
+        bool(torch.isnan(o).any() or torch.isinf(o).any()) for o in outs
+    ]
 
 
 @pytest.mark.parametrize("nodes,rpn", LAYOUTS, ids=IDS)
@@ -232,7 +244,6 @@ def test_ranks_that_disagree_fail_alike_with_the_setting_named(dist, key, value)
     errors = dist.run(_build_with, 4, 2, kwargs, numel)
     assert all(e is not None for e in errors) and len(set(errors)) == 1, errors
     assert key in errors[0] and "on ranks [3]" in errors[0] and "on ranks [0, 1, 2]" in errors[0]
-
 
 
 def _peak_bytes(fn) -> int:

@@ -57,13 +57,16 @@ def _build_error(ctx, case):
     return None
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("indivisible", "not divisible"),
-    ("disagree", "disagree"),
-    ("subset", "whole world"),
-    ("no_env", "LOCAL_WORLD_SIZE"),
-    ("foreign_group", "sub-group"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("indivisible", "not divisible"),
+        ("disagree", "disagree"),
+        ("subset", "whole world"),
+        ("no_env", "LOCAL_WORLD_SIZE"),
+        ("foreign_group", "sub-group"),
+    ],
+)
 def test_clear_errors_on_every_rank(dist, case, needle):
     msgs = dist.run(_build_error, 6, 2, case, timeout=20)
     if case in ("subset", "foreign_group"):
@@ -79,7 +82,7 @@ def _stats_default(ctx):
     x = torch.randn(4 * 4096)
     for _ in range(3):
         wg.mark_weights_changed(exact=False)
-        wg(x[ctx.rank * 4096:(ctx.rank + 1) * 4096])
+        wg(x[ctx.rank * 4096 : (ctx.rank + 1) * 4096])
         rs(x)
     off = CommStats()
     GradReduceScatter(4096, topo, GradientsConfig(), stats=StatsConfig(enabled=False), record_to=off)(x[:4096])
@@ -102,8 +105,9 @@ def test_stats_summary(dist):
     print("\n" + table)
 
 
-@pytest.mark.parametrize("var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                                 "SLURM_NTASKS_PER_NODE"])
+@pytest.mark.parametrize(
+    "var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"]
+)
 def test_auto_ranks_per_node_reads_every_launcher(monkeypatch, var):
     """ranks_per_node "auto" (FSDP2 and DeepSpeed alike) reads what each launcher sets."""
     from sdpq.comm.topology import LOCAL_SIZE_VARIABLES, _resolve_ranks_per_node, ranks_per_node_from_env

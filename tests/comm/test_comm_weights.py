@@ -28,7 +28,7 @@ def _walk(numel: int, steps: int, lr: float, seed: int = 11) -> list[torch.Tenso
 
 
 def _shard(w: torch.Tensor, rank: int, C: int) -> torch.Tensor:
-    return w[rank * C:(rank + 1) * C]
+    return w[rank * C : (rank + 1) * C]
 
 
 def _step_bound(d: torch.Tensor, N: int, C: int, G: int, qmax: int) -> torch.Tensor:
@@ -66,8 +66,14 @@ def _gather_walk(ctx, numel, cfg_kwargs, steps, lr, dtype):
             bound = _step_bound(wt, N, C, cfg.group_size, 127)
             step_ratios.append(float((err / bound.clamp_min(1e-30)).max()))
         prev = out.float()
-    return {"digests": digests, "errs": errs, "ratios": step_ratios, "exact": exact,
-            "stats": rec.as_dict(), "rel": float((out.float() - wt).norm() / wt.norm())}
+    return {
+        "digests": digests,
+        "errs": errs,
+        "ratios": step_ratios,
+        "exact": exact,
+        "stats": rec.as_dict(),
+        "rel": float((out.float() - wt).norm() / wt.norm()),
+    }
 
 
 @pytest.mark.parametrize("nodes,rpn", LAYOUTS, ids=IDS)
@@ -80,8 +86,10 @@ def test_diff_no_drift_over_200_steps(dist, nodes, rpn):
         assert max(r["ratios"]) <= 1.0  # within one quantization step of the true weights, every step
         early, late = max(r["errs"][1:21]), max(r["errs"][-20:])
         assert late <= 2 * early  # no drift
-        print(f"{nodes}x{rpn} diff: max |recon - w| steps 1-20 {early:.3g}, 181-200 {late:.3g}, "
-              f"max err/step {max(r['ratios']):.3f}, final rel err {r['rel']:.3g}")
+        print(
+            f"{nodes}x{rpn} diff: max |recon - w| steps 1-20 {early:.3g}, 181-200 {late:.3g}, "
+            f"max err/step {max(r['ratios']):.3f}, final rel err {r['rel']:.3g}"
+        )
         inter = r["stats"]["weights"]["inter"]["bits_per_element"]
         assert inter <= 4.02
         print(f"{nodes}x{rpn} weights inter-node {inter:.4f} bits/elem")
@@ -103,8 +111,10 @@ def test_direct_mode_int8(dist, nodes, rpn):
     res = dist.run(_gather_walk, N, rpn, 2048 * N, {"mode": "direct", "bits": 8}, 5, 1e-3, torch.float32)
     assert all(r["digests"] == res[0]["digests"] for r in res)
     assert max(res[0]["ratios"]) <= 0.5 + 1e-6  # nearest rounding: half a step
-    print(f"{nodes}x{rpn} direct int8: rel err {res[0]['rel']:.3g}, "
-          f"inter {res[0]['stats']['weights']['inter']['bits_per_element']:.4f} bits/elem")
+    print(
+        f"{nodes}x{rpn} direct int8: rel err {res[0]['rel']:.3g}, "
+        f"inter {res[0]['stats']['weights']['inter']['bits_per_element']:.4f} bits/elem"
+    )
 
 
 def test_diff_bf16_compute_dtype(dist):
@@ -131,8 +141,11 @@ def _save_restore(ctx, numel, save_at, steps, rounding="nearest", mode="diff"):
             ref_digests.append(_digest(out))
     restored = WeightGather(numel, topo, cfg, record_to=CommStats())
     restored.load_state_dict(torch.load(io.BytesIO(saved)))
-    digests = [_digest(restored(_shard(w, ctx.rank, C))) for w in ws[save_at + 1:]
-               if restored.mark_weights_changed(exact=False) is None]
+    digests = [
+        _digest(restored(_shard(w, ctx.rank, C)))
+        for w in ws[save_at + 1 :]
+        if restored.mark_weights_changed(exact=False) is None
+    ]
     return ref_digests, digests
 
 
@@ -191,13 +204,14 @@ def _aliasing(ctx, numel):
     topo = Topology.build(ctx.ranks_per_node)
     outs = []
     for mode in ("diff", "direct", "exact"):
-        wg = WeightGather(numel, topo, WeightsConfig(mode=mode, bits=8 if mode == "direct" else 4),
-                          record_to=CommStats())
+        wg = WeightGather(
+            numel, topo, WeightsConfig(mode=mode, bits=8 if mode == "direct" else 4), record_to=CommStats()
+        )
         w = _walk(numel, 1, 0.0)[0]
         C = wg.shard_numel
         out = torch.empty(wg.padded_numel)
-        out[ctx.rank * C:(ctx.rank + 1) * C] = _shard(w, ctx.rank, C)
-        wg.gather(out[ctx.rank * C:(ctx.rank + 1) * C], out=out)
+        out[ctx.rank * C : (ctx.rank + 1) * C] = _shard(w, ctx.rank, C)
+        wg.gather(out[ctx.rank * C : (ctx.rank + 1) * C], out=out)
         outs.append(float((out - w).abs().max()))
     return outs
 
@@ -258,6 +272,10 @@ def test_every_mark_weights_changed_has_the_same_default():
 
     defaults = {
         inspect.signature(f).parameters["exact"].default
-        for f in (WeightGather.mark_weights_changed, sdpq.fsdp.mark_weights_changed, DeepSpeedAdapter.mark_weights_changed)
+        for f in (
+            WeightGather.mark_weights_changed,
+            sdpq.fsdp.mark_weights_changed,
+            DeepSpeedAdapter.mark_weights_changed,
+        )
     }
     assert defaults == {True}

@@ -57,7 +57,7 @@ def _run(ctx, coalesced: bool, cfg_kwargs: dict, steps: int, dtype: torch.dtype,
         if t > 0:
             for g in gathers:
                 g.mark_weights_changed(exact=False)
-        shards = [w[t][ctx.rank * g.shard_numel:(ctx.rank + 1) * g.shard_numel] for g, w in zip(gathers, walks)]
+        shards = [w[t][ctx.rank * g.shard_numel : (ctx.rank + 1) * g.shard_numel] for g, w in zip(gathers, walks)]
         outs = [torch.empty(g.padded_numel if padded else g.numel, dtype=dtype) for g in gathers]
         with _CountCalls() as counter:
             if coalesced:
@@ -68,8 +68,14 @@ def _run(ctx, coalesced: bool, cfg_kwargs: dict, steps: int, dtype: torch.dtype,
         calls.append(counter.calls)
         digests.append([_digest(o[: g.numel]) for g, o in zip(gathers, outs)])
     refs = [_digest(g.reference) if g.reference is not None else None for g in gathers]
-    return {"digests": digests, "refs": refs, "stats": rec.as_dict(), "calls": calls,
-            "versions": [g.version for g in gathers], "gathers": [g.calls for g in gathers]}
+    return {
+        "digests": digests,
+        "refs": refs,
+        "stats": rec.as_dict(),
+        "calls": calls,
+        "versions": [g.version for g in gathers],
+        "gathers": [g.calls for g in gathers],
+    }
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

@@ -19,8 +19,18 @@ TINY = GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=32)
 # once per step after the optimizer), larger ones are gathered per module in forward/backward:
 # both gather paths are exercised.
 ZERO = {"zero_optimization": {"stage3_param_persistence_threshold": 1000}}
-SPEC = RunSpec(backend="deepspeed", model=TINY, steps=4, micro_batch=2, grad_accum=2, lr=3e-3, warmup=2,
-               eval_batches=1, log_every=0, ranks_per_node=2)
+SPEC = RunSpec(
+    backend="deepspeed",
+    model=TINY,
+    steps=4,
+    micro_batch=2,
+    grad_accum=2,
+    lr=3e-3,
+    warmup=2,
+    eval_batches=1,
+    log_every=0,
+    ranks_per_node=2,
+)
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
 # A non-empty block; every section left out takes its defaults: the full method (two-level
 # gradients, FP8 + MCF AdamW). An empty block would be plain DeepSpeed.
@@ -43,9 +53,14 @@ def train_fn(ctx, spec, overrides=None):
 
     fresh_deepspeed()
     r = deepspeed_backend.train(spec, checks=True, ds_overrides=overrides if overrides is not None else ZERO)
-    return {"losses": r.losses, "val": r.val_loss, "extra": {k: v for k, v in r.extra.items() if k != "step_times"},
-            "comm": r.comm["per_rank"][ctx.rank], "cross": r.cross_node_bytes_per_step,
-            "opt_bytes": r.optimizer_bytes_per_param}
+    return {
+        "losses": r.losses,
+        "val": r.val_loss,
+        "extra": {k: v for k, v in r.extra.items() if k != "step_times"},
+        "comm": r.comm["per_rank"][ctx.rank],
+        "cross": r.cross_node_bytes_per_step,
+        "opt_bytes": r.optimizer_bytes_per_param,
+    }
 
 
 def run4(dist, spec, overrides=None):

@@ -27,14 +27,23 @@ def write_ds_config(path: str, block: dict | None, *, hf_auto: bool = False, lig
         "gradient_clipping": auto or 1.0,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
         "bf16": {"enabled": auto or True},
-        "optimizer": {"type": "AdamW", "params": {"lr": auto or LR, "betas": auto or [0.9, 0.95],
-                                                  "eps": auto or 1e-8, "weight_decay": auto or 0.0}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": auto or LR,
+                "betas": auto or [0.9, 0.95],
+                "eps": auto or 1e-8,
+                "weight_decay": auto or 0.0,
+            },
+        },
     }
     if hf_auto:
         ds["train_batch_size"] = "auto"  # the Trainer brings its own warm-up + linear decay
     else:  # a decaying schedule, so that the last steps' losses compare without lr noise
-        ds["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                               "warmup_num_steps": 4, "total_num_steps": STEPS}}
+        ds["scheduler"] = {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 4, "total_num_steps": STEPS},
+        }
     if lightning:  # Lightning sets these from its Trainer's arguments and refuses them in the file
         del ds["gradient_accumulation_steps"], ds["gradient_clipping"]
     if block is not None:
@@ -58,8 +67,18 @@ def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=2, n_positions=SEQ, vocab_size=256,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=128,
+            n_head=2,
+            n_positions=SEQ,
+            vocab_size=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def samples(n: int) -> list[dict]:
@@ -106,7 +125,9 @@ def ranks_env(ctx) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(ctx.ranks_per_node)
 
 
-def run_both_arms(dist, fn, out_dir: str, name: str, timeout: float, known_loss_defect: str | None = None) -> tuple[list, list]:
+def run_both_arms(
+    dist, fn, out_dir: str, name: str, timeout: float, known_loss_defect: str | None = None
+) -> tuple[list, list]:
     """`fn(ctx, out_dir, with_block)` on 4 ranks as 2 x 2 without and with the block (fresh
     processes each); checks the must-haves: sdpq attached only with the block, cross-node bytes
     at most 0.2 of the run without it, loss (mean of the last 20 steps) at most 1% above it.

@@ -54,12 +54,13 @@ def _accelerate_fn(ctx, out_dir, with_block):
     acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=path))
     # Note: driven this way on CPU, Accelerate's state counts one process and would hand every
     # rank the whole dataset; each rank takes its own share, as Accelerate does on GPUs.
-    data = samples(STEPS * MICRO * ctx.world_size)[ctx.rank::ctx.world_size]
+    data = samples(STEPS * MICRO * ctx.world_size)[ctx.rank :: ctx.world_size]
     loader = torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
     # The config's "optimizer" and "scheduler" blocks build them: Accelerate's placeholders stand in.
     opt = DummyOptim(model.parameters(), lr=LR)
-    model, opt, loader, _ = acc.prepare(model, opt, loader, DummyScheduler(opt, total_num_steps=STEPS,
-                                                                            warmup_num_steps=4))
+    model, opt, loader, _ = acc.prepare(
+        model, opt, loader, DummyScheduler(opt, total_num_steps=STEPS, warmup_num_steps=4)
+    )
     losses = []
     with meter(ctx.ranks_per_node) as m:
         for batch in loader:
@@ -70,7 +71,12 @@ def _accelerate_fn(ctx, out_dir, with_block):
             mean = loss.detach().float().clone()
             torch.distributed.all_reduce(mean)  # (Accelerate's reduce("mean") sums on gloo)
             losses.append(float(mean) / ctx.world_size)
-    return {"batches": len(loader), "losses": losses, "cross": cross_node_bytes(m), "sdpq": getattr(model, "sdpq", None) is not None}
+    return {
+        "batches": len(loader),
+        "losses": losses,
+        "cross": cross_node_bytes(m),
+        "sdpq": getattr(model, "sdpq", None) is not None,
+    }
 
 
 def test_accelerate_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
@@ -88,13 +94,14 @@ def _accelerate_fsdp2_fn(ctx, out_dir, with_sdpq):
 
     ranks_env(ctx)
     model = tiny_gpt2()
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["GPT2Block"])
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"]
+    )
     acc = Accelerator(mixed_precision="bf16", fsdp_plugin=plugin, cpu=True)
     acc.state.distributed_type = DistributedType.FSDP  # what Accelerate picks on GPUs (see the note)
     acc.state.fsdp_plugin = plugin
     plugin.set_mixed_precision("bf16")
-    data = samples(STEPS * MICRO * ctx.world_size)[ctx.rank::ctx.world_size]
+    data = samples(STEPS * MICRO * ctx.world_size)[ctx.rank :: ctx.world_size]
     loader = torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     sched = warmup_decay(opt)

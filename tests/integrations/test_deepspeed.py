@@ -41,8 +41,11 @@ def test_exact_modes_bitwise_equal_plain_zero3(dist, bf16):
 
 
 def test_sdpq_adamw_fp32_native_equals_deepspeed_adamw(dist):
-    block = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"},
-             "optimizer": {"states": "fp32", "master": "native"}}
+    block = {
+        "weights": {"mode": "exact"},
+        "gradients": {"mode": "exact"},
+        "optimizer": {"states": "fp32", "master": "native"},
+    }
     plain = run4(dist, SPEC)
     ours = run4(dist, dataclasses.replace(SPEC, sdpq=block))
     assert ours[0]["extra"]["optimizer"] == "sdpq.optim.adamw.AdamW"
@@ -95,9 +98,17 @@ def test_full_sdpq_trains_and_references_identical_across_holders(dist):
 def test_direct_weights_and_gradients_alone(dist):
     spec = dataclasses.replace(SPEC, steps=3)
     plain = run4(dist, spec)
-    direct = run4(dist, dataclasses.replace(spec, sdpq={"weights": {"mode": "direct", "bits": 8},
-                                                         "gradients": {"mode": "exact"},
-                                                         "optimizer": {"enabled": False}}))
+    direct = run4(
+        dist,
+        dataclasses.replace(
+            spec,
+            sdpq={
+                "weights": {"mode": "direct", "bits": 8},
+                "gradients": {"mode": "exact"},
+                "optimizer": {"enabled": False},
+            },
+        ),
+    )
     grads = run4(dist, dataclasses.replace(spec, sdpq={"weights": {"mode": "exact"}, "optimizer": {"enabled": False}}))
     for p, d, g in zip(plain, direct, grads):
         assert d["losses"] != p["losses"] and g["losses"] != p["losses"]  # they did quantize
@@ -171,6 +182,7 @@ def _capture(engine) -> dict:
 
             def hook(mod, args, p=p, key=key):
                 seen.setdefault(key, []).append(p.detach().clone())
+
             m.register_forward_pre_hook(hook)
     return seen
 
@@ -235,8 +247,10 @@ def _versions_fn(ctx, ckpt):
             m.fc.bias.data.fill_(-0.5)
     seen.clear()
     _eval(eng, ctx.rank)
-    out["edited"] = (bool((seen["blocks.0.fc.weight"][-1] == 0.0125).all()),
-                     bool((seen["blocks.0.fc.bias"][-1] == -0.5).all()))
+    out["edited"] = (
+        bool((seen["blocks.0.fc.weight"][-1] == 0.0125).all()),
+        bool((seen["blocks.0.fc.bias"][-1] == -0.5).all()),
+    )
     # 3. A checkpoint without sdpq's state (e.g. saved by plain DeepSpeed): references resync exactly.
     eng.save_checkpoint(ckpt, tag="t")
     import torch.distributed as tdist
@@ -252,8 +266,9 @@ def _versions_fn(ctx, ckpt):
     out["warned"] = any("refreshed exactly" in str(x.message) for x in w)
     loaded = _truth(eng2)
     # Parameters ZeRO keeps gathered were re-gathered at the end of the load, exactly...
-    out["persistent_exact"] = [n for n, p in eng2.module.named_parameters()
-                               if p.ds_persist and not torch.equal(p.data, loaded[n])]
+    out["persistent_exact"] = [
+        n for n, p in eng2.module.named_parameters() if p.ds_persist and not torch.equal(p.data, loaded[n])
+    ]
     # ... and the others are gathered exactly at their next use.
     _eval(eng2, ctx.rank)
     out["after_load_exact"] = all(torch.equal(seen2[k][-1], loaded[k]) for k in seen2)
@@ -265,12 +280,18 @@ def _versions_fn(ctx, ckpt):
     eng.destroy()
     out["one_left"] = stage3.reduce_scatter_coalesced is not cc.reduce_scatter_coalesced
     eng2.destroy()
-    out["restored"] = (stage3.reduce_scatter_coalesced is cc.reduce_scatter_coalesced,
-                       sds.get_adapter(eng) is None, ad._undo == [],
-                       all(getattr(p.all_gather_coalesced, "__self__", None) is None
-                           and not isinstance(p.all_gather, functools.partial)
-                           and not isinstance(p.partition, functools.partial) for p in eng.module.parameters()),
-                       "_reassign_or_swap_out_partitioned_parameters" not in eng.optimizer.__dict__)
+    out["restored"] = (
+        stage3.reduce_scatter_coalesced is cc.reduce_scatter_coalesced,
+        sds.get_adapter(eng) is None,
+        ad._undo == [],
+        all(
+            getattr(p.all_gather_coalesced, "__self__", None) is None
+            and not isinstance(p.all_gather, functools.partial)
+            and not isinstance(p.partition, functools.partial)
+            for p in eng.module.parameters()
+        ),
+        "_reassign_or_swap_out_partitioned_parameters" not in eng.optimizer.__dict__,
+    )
     return out
 
 
@@ -294,5 +315,3 @@ def _names():
 
 
 TINY_NAMES = _names()
-
-

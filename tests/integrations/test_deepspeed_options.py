@@ -34,13 +34,15 @@ def test_cpu_offload_with_the_block_keeps_the_loss(dist, option):
 
 
 def test_offloaded_mcf_master_and_fp16_mcf_are_refused_at_startup():
-    base = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    base = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
     with pytest.raises(sds.IncompatibleConfigError, match=r"offload_optimizer with sdpq.optimizer.master 'mcf'"):
         sds.check_config(base, sdpq.Config.from_deepspeed({**base, "sdpq": FULL_BLOCK}))
-    fp16 = {**base, "bf16": {"enabled": False}, "fp16": {"enabled": True},
-            "zero_optimization": {"stage": 3}}
+    fp16 = {**base, "bf16": {"enabled": False}, "fp16": {"enabled": True}, "zero_optimization": {"stage": 3}}
     with pytest.raises(sds.IncompatibleConfigError, match=r"'mcf'.*needs \"bf16\""):
         sds.check_config(fp16, sdpq.Config.from_deepspeed({**fp16, "sdpq": FULL_BLOCK}))
 
@@ -54,8 +56,12 @@ def test_statistics_reach_deepspeed_monitor_writers(dist, tmp_path):
     overrides = {**ZERO, "csv_monitor": {"enabled": True, "output_path": out, "job_name": "run"}}
     run4(dist, dataclasses.replace(SPEC, bf16=True, sdpq=FULL_BLOCK), overrides)
     rows = {}
-    for name in ("sdpq_gradients_inter_bytes", "sdpq_gradients_inter_bits_per_element",
-                 "sdpq_weights_inter_bits_per_element", "sdpq_skipped_steps"):
+    for name in (
+        "sdpq_gradients_inter_bytes",
+        "sdpq_gradients_inter_bits_per_element",
+        "sdpq_weights_inter_bits_per_element",
+        "sdpq_skipped_steps",
+    ):
         with open(os.path.join(out, "run", name + ".csv")) as f:
             rows[name] = [float(r[1]) for r in list(csv.reader(f))[1:]]
     assert len(rows["sdpq_skipped_steps"]) == SPEC.steps  # one event per optimizer step
@@ -85,8 +91,14 @@ def test_fp16_dynamic_loss_scaling_skips_the_same_steps(dist):
     spec = dataclasses.replace(SPEC, steps=10)
     plain = dist.run(_fp16_fn, 4, 2, spec, fp16, timeout=TIMEOUT)
     dist.discard(4)
-    ours = dist.run(_fp16_fn, 4, 2, dataclasses.replace(spec, sdpq={**FULL_BLOCK, "optimizer": {"master": "native"}}),
-                    fp16, timeout=TIMEOUT)
+    ours = dist.run(
+        _fp16_fn,
+        4,
+        2,
+        dataclasses.replace(spec, sdpq={**FULL_BLOCK, "optimizer": {"master": "native"}}),
+        fp16,
+        timeout=TIMEOUT,
+    )
     p, q = plain[0]["losses"], ours[0]["losses"]
     skipped = plain[0]["extra"]["skipped_steps"]
     print(f"fp16: skipped steps {skipped} / {ours[0]['extra']['skipped_steps']}; losses {p} vs {q}")

@@ -67,7 +67,6 @@ def test_ranks_that_disagree_fail_alike_at_initialize(dist):
     assert "9 on ranks [3]" in msg and "0 on ranks [0, 1, 2]" in msg, msg
 
 
-
 def test_typo_in_sdpq_block_fails_at_startup_with_key_path():
     model = torch.nn.Linear(4, 4)
     base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
@@ -81,15 +80,21 @@ def test_typo_in_sdpq_block_fails_at_startup_with_key_path():
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_stage_0_to_2_with_a_block_is_a_clear_error(stage):
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-           "sdpq": {"gradients": {"mode": "two_level"}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "sdpq": {"gradients": {"mode": "two_level"}},
+    }
     with pytest.raises(sds.IncompatibleConfigError, match=f"ZeRO stage 3.*stage {stage}"):
         sds.initialize(model=torch.nn.Linear(4, 4), config=cfg)
 
 
 def test_zeropp_flags_with_a_block_are_rejected():
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "zero_quantized_weights": True},
-           "sdpq": {"weights": {"mode": "diff"}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "zero_quantized_weights": True},
+        "sdpq": {"weights": {"mode": "diff"}},
+    }
     with pytest.raises(sds.IncompatibleConfigError, match="zero_quantized_weights"):
         sds.initialize(model=torch.nn.Linear(4, 4), config=cfg)
 
@@ -98,8 +103,11 @@ def test_version_check(monkeypatch):
     assert sds.check_deepspeed_version("0.19.8") == "0.19.8"
     assert sds.check_deepspeed_version("0.19.12+g1234") == "0.19.12+g1234"
     for bad in ("0.18.3", "0.19.7", "0.20.0", "1.0.0"):
-        with pytest.raises(sds.DeepSpeedVersionError, match=r"tested with DeepSpeed >=0\.19\.8,<0\.20.*"
-                                                             r"SDPQ_ALLOW_UNTESTED_DEEPSPEED"):
+        with pytest.raises(
+            sds.DeepSpeedVersionError,
+            match=r"tested with DeepSpeed >=0\.19\.8,<0\.20.*"
+            r"SDPQ_ALLOW_UNTESTED_DEEPSPEED",
+        ):
             sds.check_deepspeed_version(bad)
     # At start-up, before anything is built.
     monkeypatch.setattr(deepspeed, "__version__", "0.21.0")
@@ -129,8 +137,11 @@ def _plain_and_no_jit_fn(ctx, ext_dir):
 
         out = {}
         for stage, block in ((2, {}), (3, None)):  # an empty block, no block: plain DeepSpeed
-            cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+            cfg = {
+                "train_micro_batch_size_per_gpu": 1,
+                "zero_optimization": {"stage": stage},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            }
             model = torch.nn.Linear(8, 8)
             if block is not None:  # through args.deepspeed_config, as a launcher script passes it
                 cfg["sdpq"] = block
@@ -168,8 +179,14 @@ def test_ds_configs_are_valid_and_documented():
     from sdpq.config import Config
 
     readme = open(os.path.join(CONFIGS, "README.md")).read()
-    expected = {"zero3.json", "zero3_sdpq.json", "zero3_sdpq_weights.json", "zero3_sdpq_gradients.json",
-                "zero3_sdpq_optimizer.json", "zero3_zeropp.json"}
+    expected = {
+        "zero3.json",
+        "zero3_sdpq.json",
+        "zero3_sdpq_weights.json",
+        "zero3_sdpq_gradients.json",
+        "zero3_sdpq_optimizer.json",
+        "zero3_zeropp.json",
+    }
     assert expected <= set(CONFIG_FILES)
     for f in CONFIG_FILES:
         assert f"`{f}`" in readme
@@ -206,21 +223,39 @@ def _configs_fn(ctx):
             eng.step()
             losses.append(float(loss))
         ad = sds.get_adapter(eng)
-        out[f] = {"sdpq": ad is not None, "layout": ad and ad.topology.layout,
-                  "optimizer": type(eng.optimizer.optimizer).__module__,
-                  "master_dtype": str(eng.optimizer.fp32_partitioned_groups_flat[0].dtype),
-                  "finite": all(map(lambda v: v == v and abs(v) < 1e4, losses))}
+        out[f] = {
+            "sdpq": ad is not None,
+            "layout": ad and ad.topology.layout,
+            "optimizer": type(eng.optimizer.optimizer).__module__,
+            "master_dtype": str(eng.optimizer.fp32_partitioned_groups_flat[0].dtype),
+            "finite": all(map(lambda v: v == v and abs(v) < 1e4, losses)),
+        }
         eng.destroy()
     return out
 
 
 def test_ds_configs_train(dist):
     r = dist.run(_configs_fn, 4, 2, timeout=TIMEOUT)[0]  # topology "auto": LOCAL_WORLD_SIZE=2 -> 2x2
-    assert r["zero3.json"] == {"sdpq": False, "layout": None, "optimizer": "torch.optim.adamw",
-                               "master_dtype": "torch.float32", "finite": True}
-    assert r["zero3_sdpq.json"] == {"sdpq": True, "layout": "2x2", "optimizer": "sdpq.optim.adamw",
-                                    "master_dtype": "torch.bfloat16", "finite": True}
+    assert r["zero3.json"] == {
+        "sdpq": False,
+        "layout": None,
+        "optimizer": "torch.optim.adamw",
+        "master_dtype": "torch.float32",
+        "finite": True,
+    }
+    assert r["zero3_sdpq.json"] == {
+        "sdpq": True,
+        "layout": "2x2",
+        "optimizer": "sdpq.optim.adamw",
+        "master_dtype": "torch.bfloat16",
+        "finite": True,
+    }
     assert r["zero3_sdpq_optimizer.json"]["optimizer"] == "sdpq.optim.adamw"
     for f in ("zero3_sdpq_weights.json", "zero3_sdpq_gradients.json"):
-        assert r[f] == {"sdpq": True, "layout": "2x2", "optimizer": "torch.optim.adamw",
-                        "master_dtype": "torch.float32", "finite": True}
+        assert r[f] == {
+            "sdpq": True,
+            "layout": "2x2",
+            "optimizer": "torch.optim.adamw",
+            "master_dtype": "torch.float32",
+            "finite": True,
+        }

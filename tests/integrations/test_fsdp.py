@@ -27,8 +27,12 @@ from sdpq.integrations import _fsdp_internals
 WORLD, RPN = 4, 2  # 2 simulated nodes x 2 ranks
 TINY = dict(n_layer=2, d_model=64, n_head=2, seq_len=32)
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
-QUANT = {"weights": {"mode": "diff", "verify_every": 2}, "gradients": {"mode": "two_level"},
-         "optimizer": {"enabled": False}, "stats": {"error_sample_every": 1}}
+QUANT = {
+    "weights": {"mode": "diff", "verify_every": 2},
+    "gradients": {"mode": "two_level"},
+    "optimizer": {"enabled": False},
+    "stats": {"error_sample_every": 1},
+}
 QUANT_MCF = {**QUANT, "optimizer": {"enabled": True, "states": "fp8", "master": "mcf"}}
 
 
@@ -39,8 +43,17 @@ def _spec(ctx, sdpq, steps=4, **kw):
     from sdpq.train.model import GPTConfig
     from sdpq.train.run import RunSpec
 
-    base = dict(model=GPTConfig(**TINY), sdpq=sdpq, steps=steps, micro_batch=2, warmup=2, lr=3e-3,
-                eval_batches=0, log_every=0, ranks_per_node=ctx.ranks_per_node)
+    base = dict(
+        model=GPTConfig(**TINY),
+        sdpq=sdpq,
+        steps=steps,
+        micro_batch=2,
+        warmup=2,
+        lr=3e-3,
+        eval_batches=0,
+        log_every=0,
+        ranks_per_node=ctx.ranks_per_node,
+    )
     base.update(kw)
     return RunSpec(**base)
 
@@ -59,8 +72,9 @@ def _fsdp_kwargs(setup: dict) -> dict:
         kw["per_block"] = _checkpoint_and_compile
     mp = setup.get("mp")
     if mp:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                               reduce_dtype=torch.float32 if mp == "fp32" else torch.bfloat16)
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if mp == "fp32" else torch.bfloat16
+        )
     return kw
 
 
@@ -85,9 +99,17 @@ def _compare_runs(ctx, setup, configs, steps):
     out = []
     for cfg in configs:
         r = train(_spec(ctx, cfg, steps=steps, **spec_kw), checks=True, **_fsdp_kwargs(setup))
-        out.append({"losses": r.losses, "params": r.extra["param_digests"], "fwd": r.extra["forward_digests"],
-                    "refs": r.extra.get("references"), "comm": r.comm["per_rank"][ctx.rank],
-                    "skipped": r.extra["skipped_steps"], "optimizer": r.extra["optimizer"]})
+        out.append(
+            {
+                "losses": r.losses,
+                "params": r.extra["param_digests"],
+                "fwd": r.extra["forward_digests"],
+                "refs": r.extra.get("references"),
+                "comm": r.comm["per_rank"][ctx.rank],
+                "skipped": r.extra["skipped_steps"],
+                "optimizer": r.extra["optimizer"],
+            }
+        )
     return out
 
 
@@ -168,8 +190,14 @@ def _resume(ctx, cfg, path, bf16):
     warnings.simplefilter("error", category=RuntimeWarning)
     full = train(_spec(ctx, cfg, steps=6, bf16=bf16, checkpoint_dir=path, save_at=3), checks=True)
     resumed = train(_spec(ctx, cfg, steps=6, bf16=bf16, checkpoint_dir=path, resume=True), checks=True)
-    return full.losses, resumed.losses, full.extra["param_digests"], resumed.extra["param_digests"], \
-        full.extra["references"], resumed.extra["references"]
+    return (
+        full.losses,
+        resumed.losses,
+        full.extra["param_digests"],
+        resumed.extra["param_digests"],
+        full.extra["references"],
+        resumed.extra["references"],
+    )
 
 
 @pytest.mark.parametrize("cfg_name", ["quant_error_feedback", "quant_mcf"])
@@ -207,7 +235,9 @@ def test_dcp_resume_on_other_layouts_continues_the_curve(dist, tmp_path, cfg_nam
     """Saved on 2 nodes x 2, resumed on 4 x 1, 1 x 4 and 2 x 1: DCP reshards the model and the
     optimizer; sdpq's per-layout state is rebuilt (exact reference refresh, residuals from zero)
     with a warning on rank 0, and the loss continues the uninterrupted curve."""
-    cfg, bf16 = (QUANT_MCF, True) if cfg_name == "quant_mcf" else ({**QUANT, "gradients": {"error_feedback": True}}, False)
+    cfg, bf16 = (
+        (QUANT_MCF, True) if cfg_name == "quant_mcf" else ({**QUANT, "gradients": {"error_feedback": True}}, False)
+    )
     path = str(tmp_path / "ckpt")
     full = dist.run(_save_only, WORLD, RPN, cfg, path, bf16, timeout=150)[0]
     for world, rpn in [(4, 1), (4, 4), (2, 1)]:

@@ -22,6 +22,8 @@ def dist(dist):
     sub-meshes of the old one, whose groups are gone ("Could not resolve the process group")."""
     dist.discard(WORLD)
     return dist
+
+
 TINY = dict(n_layer=2, n_head=2, d_model=64, seq_len=32)
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
 QUANT = {"weights": {"mode": "diff"}, "gradients": {"mode": "two_level"}, "optimizer": {"enabled": False}}
@@ -31,8 +33,17 @@ def _spec(ctx, sdpq, steps, **kw):
     from sdpq.train.model import GPTConfig
     from sdpq.train.run import RunSpec
 
-    base = dict(model=GPTConfig(**TINY), sdpq=sdpq, steps=steps, micro_batch=2, warmup=2, lr=3e-3,
-                eval_batches=0, log_every=0, ranks_per_node=ctx.ranks_per_node)
+    base = dict(
+        model=GPTConfig(**TINY),
+        sdpq=sdpq,
+        steps=steps,
+        micro_batch=2,
+        warmup=2,
+        lr=3e-3,
+        eval_batches=0,
+        log_every=0,
+        ranks_per_node=ctx.ranks_per_node,
+    )
     return RunSpec(**{**base, **kw})
 
 
@@ -53,8 +64,14 @@ def _hsdp_runs(ctx, configs, steps, spec_kw):
         mesh = _hsdp_mesh()
         kw = {"mesh": mesh} if cfg is None else {"mesh": mesh["shard"], "replicate": mesh["replicate"]}
         r = train(_spec(ctx, cfg, steps, **spec_kw), checks=True, **kw)
-        out.append({"losses": r.losses, "params": r.extra["param_digests"], "fwd": r.extra["forward_digests"],
-                    "comm": r.comm["per_rank"][ctx.rank]})
+        out.append(
+            {
+                "losses": r.losses,
+                "params": r.extra["param_digests"],
+                "fwd": r.extra["forward_digests"],
+                "comm": r.comm["per_rank"][ctx.rank],
+            }
+        )
     return out
 
 

@@ -40,18 +40,34 @@ def _trainer_fn(ctx, out_dir, with_block):
 
     ranks_env(ctx)
     path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None, hf_auto=True)
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=MICRO, max_steps=STEPS,
-                             learning_rate=LR, adam_beta2=0.95, warmup_steps=4, logging_steps=1, report_to=[],
-                             use_cpu=True, bf16=True, deepspeed=path, save_strategy="no", seed=0,
-                             disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=MICRO,
+        max_steps=STEPS,
+        learning_rate=LR,
+        adam_beta2=0.95,
+        warmup_steps=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=True,
+        deepspeed=path,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_grad_norm=1.0,
+    )
+
     class Reporter(TrainerCallback):  # stands for report_to's integrations: sees what they see
         seen: dict = {}
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.seen.update({k: v for k, v in (logs or {}).items() if k.startswith("sdpq/")})
 
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=samples(STEPS * MICRO * ctx.world_size),
-                      callbacks=[Reporter()])
+    trainer = Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=samples(STEPS * MICRO * ctx.world_size), callbacks=[Reporter()]
+    )
     if with_block:
         sdpq.hf.log_stats(trainer)
     with meter(ctx.ranks_per_node) as m:
@@ -59,7 +75,12 @@ def _trainer_fn(ctx, out_dir, with_block):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     engine = trainer.model_wrapped
     logged = Reporter.seen
-    return {"logged": logged, "losses": losses, "cross": cross_node_bytes(m), "sdpq": getattr(engine, "sdpq", None) is not None}
+    return {
+        "logged": logged,
+        "losses": losses,
+        "cross": cross_node_bytes(m),
+        "sdpq": getattr(engine, "sdpq", None) is not None,
+    }
 
 
 def test_trainer_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):

@@ -90,10 +90,20 @@ def _lightning_fn(ctx, out_dir, with_block):
     path = write_ds_config(f"{out_dir}/ds_{ctx.rank}.json", BLOCK if with_block else None, lightning=True)
     lit = LitGPT()
     loader = torch.utils.data.DataLoader(samples(STEPS * MICRO * ctx.world_size), batch_size=MICRO)
-    trainer = pl.Trainer(accelerator="cpu", devices=ctx.ranks_per_node, num_nodes=ctx.world_size // ctx.ranks_per_node,
-                         strategy=CPUDeepSpeedStrategy(config=path), precision="bf16-mixed", max_steps=STEPS, gradient_clip_val=1.0,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=out_dir)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=ctx.ranks_per_node,
+        num_nodes=ctx.world_size // ctx.ranks_per_node,
+        strategy=CPUDeepSpeedStrategy(config=path),
+        precision="bf16-mixed",
+        max_steps=STEPS,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
+    )
     with meter(ctx.ranks_per_node) as m:
         trainer.fit(lit, loader)
     engine = trainer.strategy.model
@@ -140,10 +150,19 @@ def _lightning_fsdp2_fn(ctx, out_dir, with_sdpq):
     ranks_env(ctx)
     lit = LitGPT()
     loader = torch.utils.data.DataLoader(samples(STEPS * MICRO * ctx.world_size), batch_size=MICRO)
-    trainer = pl.Trainer(accelerator="cpu", devices=ctx.ranks_per_node, num_nodes=ctx.world_size // ctx.ranks_per_node,
-                         strategy=ModelParallelStrategy(data_parallel_size=ctx.world_size, tensor_parallel_size=1),
-                         max_steps=STEPS, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=ctx.ranks_per_node,
+        num_nodes=ctx.world_size // ctx.ranks_per_node,
+        strategy=ModelParallelStrategy(data_parallel_size=ctx.world_size, tensor_parallel_size=1),
+        max_steps=STEPS,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
+    )
     with meter(ctx.ranks_per_node) as m:
         trainer.fit(lit, loader)
     return {"losses": lit.losses, "cross": cross_node_bytes(m), "sdpq": sdpq.fsdp.is_applied(lit.model)}

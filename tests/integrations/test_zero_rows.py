@@ -129,6 +129,7 @@ def test_zero3_absent_embedding_rows_stay_zero(dist, nodes, rpn):
     if nodes == 2:  # once: what plain ZeRO-3 gives
         plain = dist.run(_zero3, nodes * rpn, rpn, 320, None, timeout=180)
         assert sum(n for n, _ in plain) == 0 and sum(a for _, a in plain) > 0
-    ours = dist.run(_zero3, nodes * rpn, rpn, 320, {"weights": {"mode": "diff"}, "optimizer": {"enabled": False}},
-                    timeout=180)
+    ours = dist.run(
+        _zero3, nodes * rpn, rpn, 320, {"weights": {"mode": "diff"}, "optimizer": {"enabled": False}}, timeout=180
+    )
     assert [n for n, _ in ours] == [0] * (nodes * rpn)

@@ -67,26 +67,33 @@ def _cases():
     """(name, call) pairs: the defaults of sdpq.config and the largest tiles it allows (4096)."""
     ones = torch.ones
     big4 = QuantSpec(4, 4096, rounding="stochastic")
-    yield "encode 4-bit G4096 H4096 ref own", lambda: codec.encode_rows(
-        torch.randn(2, 8192), big4, ref=torch.randn(2, 8192), hadamard=(4096, ones(4096)), own_row=0
+    yield (
+        "encode 4-bit G4096 H4096 ref own",
+        lambda: codec.encode_rows(
+            torch.randn(2, 8192), big4, ref=torch.randn(2, 8192), hadamard=(4096, ones(4096)), own_row=0
+        ),
     )
     yield "encode 8-bit G128 H128 2 segments bf16 (gradients)", lambda: codec.encode_rows(
         torch.randn(4, 1024).bfloat16(), QuantSpec(8, 128, "stochastic"), segments=2, hadamard=(128, ones(128)),
         own_row=1,
     )  # fmt: skip
-    yield "encode 4-bit G2048 bf16 scales (weights)", lambda: codec.encode_rows(
-        torch.randn(1, 8192), QuantSpec(4, 2048, scale_dtype=torch.bfloat16)
+    yield (
+        "encode 4-bit G2048 bf16 scales (weights)",
+        lambda: codec.encode_rows(torch.randn(1, 8192), QuantSpec(4, 2048, scale_dtype=torch.bfloat16)),
     )
     buf = torch.zeros(2, big4.wire_bytes(8192), dtype=torch.uint8)
-    yield "decode 4-bit G4096 add bf16", lambda: codec.decode_rows(
-        buf, big4, 8192, torch.zeros(2, 8192, dtype=torch.bfloat16), add=True
+    yield (
+        "decode 4-bit G4096 add bf16",
+        lambda: codec.decode_rows(buf, big4, 8192, torch.zeros(2, 8192, dtype=torch.bfloat16), add=True),
     )
     own, bad = torch.zeros(8192), torch.zeros(1)
-    yield "reduce 4-bit G4096 inverse H4096", lambda: codec.reduce_rows(
-        buf, big4, 8192, own, 0, bad, hadamard=(4096, ones(4096))
+    yield (
+        "reduce 4-bit G4096 inverse H4096",
+        lambda: codec.reduce_rows(buf, big4, 8192, own, 0, bad, hadamard=(4096, ones(4096))),
     )
-    yield "reduce 4-bit G4096 re-encode G4096", lambda: codec.reduce_rows(
-        buf, big4, 8192, own, 0, bad, encode_spec=big4, encode_rows_n=4096, own_seg=0
+    yield (
+        "reduce 4-bit G4096 re-encode G4096",
+        lambda: codec.reduce_rows(buf, big4, 8192, own, 0, bad, encode_spec=big4, encode_rows_n=4096, own_seg=0),
     )
 
     def step(rows, cols, G):

@@ -37,7 +37,9 @@ def test_e4m3_encoding_is_torch_rounding():
     finite = vals[vals.isfinite()]
     pos = finite[finite >= 0].unique()
     mids = (pos[1:] + pos[:-1]) / 2
-    x = torch.cat([finite, mids, -mids, mids * (1 + 2**-20), mids * (1 - 2**-20), torch.tensor([float("nan")], device=DEV)])
+    x = torch.cat(
+        [finite, mids, -mids, mids * (1 + 2**-20), mids * (1 - 2**-20), torch.tensor([float("nan")], device=DEV)]
+    )
     out = torch.empty(x.numel(), dtype=torch.uint8, device=DEV)
     _enc[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
     want = x.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -50,8 +52,9 @@ def test_fused_step_matches_pytorch_path(shape):
     torch.manual_seed(0)
     p_ref = torch.nn.Parameter(torch.randn(shape, device=DEV).to(torch.bfloat16))
     p_ker = torch.nn.Parameter(p_ref.detach().clone())
-    opts = [AdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, states="fp8", master="mcf")
-            for p in (p_ref, p_ker)]
+    opts = [
+        AdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, states="fp8", master="mcf") for p in (p_ref, p_ker)
+    ]
     for step in range(5):
         g = torch.randn(shape, device=DEV) * (1 + step)
         g[0, :7] = 0.0  # exact zeros inside a group
@@ -66,9 +69,20 @@ def test_fused_step_matches_pytorch_path(shape):
             codes = rows(st[name + "_codes"])
             return (codes,) + tuple(st[name + s].reshape(codes.shape[0], -1) for s in ("_scale", "_k", "_gm"))
 
-        adamw_fp8_mcf_step(rows(p_ker.data), rows(st["master_lo"]), rows(p_ker.grad), moment("exp_avg"),
-                           moment("exp_avg_sq"), lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, step=step + 1,
-                           group_size=128)
+        adamw_fp8_mcf_step(
+            rows(p_ker.data),
+            rows(st["master_lo"]),
+            rows(p_ker.grad),
+            moment("exp_avg"),
+            moment("exp_avg_sq"),
+            lr=1e-2,
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            wd=0.1,
+            step=step + 1,
+            group_size=128,
+        )
     sr, sk = opts[0].state[p_ref], opts[1].state[p_ker]
     w_ref = p_ref.detach().float() + sr["master_lo"].float()
     w_ker = p_ker.detach().float() + sk["master_lo"].float()

@@ -24,8 +24,12 @@ if not adamw_ops.cpu_available():
 LR, STEPS, G = 1e-2, 5, 128
 M_FORMATS = ("fp8", "bf16", "fp32")
 V_FORMATS = ("e4m3", "e5m2", "bf16", "fp32", "pair")
-MASTERS = {"mcf": torch.bfloat16, "native-fp32": torch.float32, "native-bf16": torch.bfloat16,
-           "native-fp16": torch.float16}
+MASTERS = {
+    "mcf": torch.bfloat16,
+    "native-fp32": torch.float32,
+    "native-bf16": torch.bfloat16,
+    "native-fp16": torch.float16,
+}
 ULP = {"mcf": 2**-16, "native-fp32": 2**-23, "native-bf16": 2**-8, "native-fp16": 2**-11}  # of each master
 FP8 = ("e4m3", "e5m2")
 LAYOUTS = list(itertools.product(M_FORMATS, V_FORMATS, ("mcf", "native-fp32", "native-bf16")))
@@ -40,9 +44,17 @@ def make(layout, shape, kernels, group_size=G):
     own format when the optimizer's options tie it to m's (the step reads the stored format)."""
     m_fmt, v_fmt, master = layout
     p = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(MASTERS[master]))
-    opt = AdamW([p], lr=LR, betas=(0.9, 0.95), weight_decay=0.1, states=m_fmt, master=master.split("-")[0],
-                mcf_second_moment=v_fmt == "pair", v_format="e5m2" if v_fmt == "e5m2" else "e4m3",
-                group_size=group_size)
+    opt = AdamW(
+        [p],
+        lr=LR,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        states=m_fmt,
+        master=master.split("-")[0],
+        mcf_second_moment=v_fmt == "pair",
+        v_format="e5m2" if v_fmt == "e5m2" else "e4m3",
+        group_size=group_size,
+    )
     opt.kernels_enabled = kernels
     st = opt._state_for(p, opt.param_groups[0])
     stored = "fp8" if v_fmt in FP8 else v_fmt
@@ -208,8 +220,9 @@ def test_float16_parameters(layout):
     assert_steps_agree(layout, ref, nat)
 
 
-@pytest.mark.parametrize("layout", [("fp8", "e4m3", "mcf"), ("fp8", "e5m2", "native-fp32"),
-                                    ("bf16", "pair", "mcf")], ids=_layout_id)
+@pytest.mark.parametrize(
+    "layout", [("fp8", "e4m3", "mcf"), ("fp8", "e5m2", "native-fp32"), ("bf16", "pair", "mcf")], ids=_layout_id
+)
 def test_results_do_not_depend_on_the_number_of_threads(layout):
     shape = (64, 1200)  # ~11 tiles of 6 rows: several tasks per thread
     results = []
@@ -280,11 +293,19 @@ def test_kernels_disabled_or_unavailable_take_the_reference_path(monkeypatch):
 
 
 def test_sdpq_cpp_0_turns_the_kernel_off():
-    code = ("import torch; from sdpq.kernels import adamw_ops; from sdpq.optim import AdamW\n"
-            "p = torch.nn.Parameter(torch.ones(2, 3, dtype=torch.bfloat16)); p.grad = torch.ones_like(p)\n"
-            "AdamW([p]).step(); print(adamw_ops.cpu_available(), p.dtype)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SDPQ_CPP": "0"}, capture_output=True,
-                         text=True, check=True, timeout=120)
+    code = (
+        "import torch; from sdpq.kernels import adamw_ops; from sdpq.optim import AdamW\n"
+        "p = torch.nn.Parameter(torch.ones(2, 3, dtype=torch.bfloat16)); p.grad = torch.ones_like(p)\n"
+        "AdamW([p]).step(); print(adamw_ops.cpu_available(), p.dtype)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "SDPQ_CPP": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert out.stdout.split() == ["False", "torch.bfloat16"]
 
 
@@ -319,14 +340,31 @@ def _op_args(m_format="e4m3", v_format="e4m3", n_rows=3, cols=40, group_size=16)
             return [torch.zeros(n_rows, cols, dtype=torch.bfloat16) for _ in range(2)]
         return [torch.zeros(n_rows, cols, dtype=torch.float32 if fmt == "fp32" else torch.bfloat16)]
 
-    return (w, torch.zeros_like(w), torch.randn(n_rows, cols).to(torch.bfloat16), moment(m_format), moment(v_format),
-            m_format, v_format, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, group_size)
+    return (
+        w,
+        torch.zeros_like(w),
+        torch.randn(n_rows, cols).to(torch.bfloat16),
+        moment(m_format),
+        moment(v_format),
+        m_format,
+        v_format,
+        1e-3,
+        0.9,
+        0.95,
+        1e-8,
+        0.1,
+        1,
+        group_size,
+    )
 
 
 @pytest.mark.parametrize("formats", [("e4m3", "e4m3"), ("bf16", "pair")])
 def test_opcheck(formats):
-    torch.library.opcheck(torch.ops.sdpq.adamw_step.default, _op_args(*formats),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(
+        torch.ops.sdpq.adamw_step.default,
+        _op_args(*formats),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
 
 
 def test_op_rejects_bad_arguments():

@@ -32,16 +32,30 @@ def _param(m_format, v_format, shape, mcf, seed):
     return [w, lo, grad, _moment(m_format, *shape, gen), _moment(v_format, *shape, gen), m_format, v_format]
 
 
-LAYOUTS = [("e4m3", "e4m3", (3, 40)), ("bf16", "pair", (2, 33)), ("fp32", "fp32", (1, 7)), ("e4m3", "e5m2", (4, 16)),
-           ("fp32", "e4m3", (0, 5))]
+LAYOUTS = [
+    ("e4m3", "e4m3", (3, 40)),
+    ("bf16", "pair", (2, 33)),
+    ("fp32", "fp32", (1, 7)),
+    ("e4m3", "e5m2", (4, 16)),
+    ("fp32", "e4m3", (0, 5)),
+]
 HYPER = (1e-3, 0.9, 0.95, 1e-8, 0.1)
 
 
 def _many_args(params, steps):
     mcf = params[0][1] is not None
-    return ([p[0] for p in params], [p[1] for p in params] if mcf else [], [p[2] for p in params],
-            [t for p in params for t in p[3]], [t for p in params for t in p[4]], [p[5] for p in params],
-            [p[6] for p in params], *HYPER, steps, G)
+    return (
+        [p[0] for p in params],
+        [p[1] for p in params] if mcf else [],
+        [p[2] for p in params],
+        [t for p in params for t in p[3]],
+        [t for p in params for t in p[4]],
+        [p[5] for p in params],
+        [p[6] for p in params],
+        *HYPER,
+        steps,
+        G,
+    )
 
 
 @pytest.mark.parametrize("mcf", [True, False], ids=["mcf", "native"])
@@ -62,8 +76,11 @@ def test_equals_one_call_per_parameter(mcf):
 
 def test_opcheck():
     params = [_param(*layout, True, seed) for seed, layout in enumerate(LAYOUTS[:2])]
-    torch.library.opcheck(torch.ops.sdpq.adamw_step_many.default, _many_args(params, [1, 2]),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(
+        torch.ops.sdpq.adamw_step_many.default,
+        _many_args(params, [1, 2]),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
 
 
 def test_rejects_lists_that_do_not_match():

@@ -37,8 +37,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.float().nan_to_num(123.0), b.float().nan_to_num(123.0))
 
 
-SPECS = [QuantSpec(4, 32), QuantSpec(8, 32), QuantSpec(4, 128, scale_dtype=torch.bfloat16),
-         QuantSpec(8, 128, scale_dtype=torch.bfloat16), QuantSpec(4, 2048)]
+SPECS = [
+    QuantSpec(4, 32),
+    QuantSpec(8, 32),
+    QuantSpec(4, 128, scale_dtype=torch.bfloat16),
+    QuantSpec(8, 128, scale_dtype=torch.bfloat16),
+    QuantSpec(4, 2048),
+]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -74,8 +79,9 @@ def test_segmented_hadamard_encode_bitwise(segments, own_row, block):
     P, n = 2, 512
     x = torch.randn(segments * P, n + 64, device=DEV)[:, 64:]  # a column slice, like one pipeline slice
     x[0, 7] = 300.0  # an outlier for the transform to spread
-    wire, own, _ = codec.encode_rows(x, spec, segments=segments, hadamard=_kernel_signs((block, 5), x.device),
-                                     own_row=own_row)
+    wire, own, _ = codec.encode_rows(
+        x, spec, segments=segments, hadamard=_kernel_signs((block, 5), x.device), own_row=own_row
+    )
     want, want_own, _ = _encode_rows_ref(x, spec, None, segments, (block, 5), own_row, None)
     assert torch.equal(wire, want)
     assert (own is None) == (want_own is None) and (own is None or _same(own, want_own))
@@ -139,8 +145,9 @@ def test_reduce_then_encode_bitwise(R, nodes):
     buf = _wire_rows(R, nodes * S, spec_in, 7)
     own = torch.randn(nodes * S, device=DEV)
     zero = torch.zeros(1, device=DEV)
-    wire, own_out, flag = codec.reduce_rows(buf, spec_in, nodes * S, own, 0, zero, encode_spec=spec_out,
-                                            encode_rows_n=S, own_seg=nodes - 1)
+    wire, own_out, flag = codec.reduce_rows(
+        buf, spec_in, nodes * S, own, 0, zero, encode_spec=spec_out, encode_rows_n=S, own_seg=nodes - 1
+    )
     want, want_own, bad = _reduce_rows_ref(buf, spec_in, nodes * S, own, 0, zero, None, spec_out, S, nodes - 1, None)
     assert torch.equal(wire, want) and _same(own_out, want_own) and int(flag[0]) == 0 and not bool(bad)
 

@@ -55,8 +55,14 @@ def _data(rows: int, n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     return x.to(dtype)
 
 
-SPECS = [QuantSpec(4, 2048), QuantSpec(8, 128), QuantSpec(4, 128, scale_dtype=torch.bfloat16),
-         QuantSpec(8, 64, scale_dtype=torch.bfloat16), QuantSpec(8, 16), QuantSpec(4, 6)]
+SPECS = [
+    QuantSpec(4, 2048),
+    QuantSpec(8, 128),
+    QuantSpec(4, 128, scale_dtype=torch.bfloat16),
+    QuantSpec(8, 64, scale_dtype=torch.bfloat16),
+    QuantSpec(8, 16),
+    QuantSpec(4, 6),
+]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -70,7 +76,7 @@ def test_encode_bitwise(spec, dtype, hadamard, segments):
     x = _data(4, n, seed=n + segments, dtype=dtype)
     x[2, 7] = float("inf")
     x[3, 5000] = float("nan")
-    for ref in ((None, _data(4, n, seed=1, dtype=dtype)) if segments == 1 else (None,)):
+    for ref in (None, _data(4, n, seed=1, dtype=dtype)) if segments == 1 else (None,):
         got = OPS.encode_rows(x, ref, segments, *_args(spec), _signs(hadamard), 1, 0)
         want = _encode_rows_ref(x, spec, ref, segments, hadamard, 1, None)
         assert torch.equal(got[0], want[0])  # the wire bytes: codes and scales
@@ -100,8 +106,9 @@ def test_reduce_requantize_rows_that_do_not_start_on_a_group():
     wire = _encode_rows_ref(_data(rows, n, seed=3), spec, None, 1, None, None, None)[0]
     own = _data(1, n, seed=4).reshape(-1)
     for own_row in (0, 1):
-        got = OPS.reduce_rows(wire, n, *_args(spec)[:2], False, own, own_row, torch.tensor(False), None, *_args(enc),
-                              n // 2, 1, 0)
+        got = OPS.reduce_rows(
+            wire, n, *_args(spec)[:2], False, own, own_row, torch.tensor(False), None, *_args(enc), n // 2, 1, 0
+        )
         want = _reduce_rows_ref(wire, spec, n, own, own_row, torch.zeros(1), None, enc, n // 2, 1, None)
         assert torch.equal(got[0], want[0]) and _same(got[1], want[1])
 
@@ -118,8 +125,9 @@ def test_reduce_bitwise(rows, bad, hadamard, spec):
     flag = torch.tensor(bad)
     bad_f = torch.where(flag, float("nan"), 0.0).reshape(1)
     for own_row in {0, rows - 1}:
-        got = OPS.reduce_rows(wire, n, *_args(spec)[:2], False, own, own_row, flag, _signs(hadamard),
-                              0, 2, False, False, n, -1, 0)[0]
+        got = OPS.reduce_rows(
+            wire, n, *_args(spec)[:2], False, own, own_row, flag, _signs(hadamard), 0, 2, False, False, n, -1, 0
+        )[0]
         assert _same(got, _reduce_rows_ref(wire, spec, n, own, own_row, bad_f, hadamard, None, 0, -1, None))
     enc = QuantSpec(4, 128)
     for own_seg in (0, 1):
@@ -156,8 +164,9 @@ def test_results_do_not_depend_on_the_thread_count():
         for threads in (1, 2):
             torch.set_num_threads(threads)
             wire = OPS.encode_rows(x, None, 2, *_args(spec), _signs((128, 1)), 0, 42)[0]
-            red = OPS.reduce_rows(wire, 1 << 18, *_args(spec)[:2], False, own, 0,
-                                  torch.tensor(False), None, *_args(spec), 1 << 17, 0, 9)[0]
+            red = OPS.reduce_rows(
+                wire, 1 << 18, *_args(spec)[:2], False, own, 0, torch.tensor(False), None, *_args(spec), 1 << 17, 0, 9
+            )[0]
             outs.append((wire, red))
     finally:
         torch.set_num_threads(before)
@@ -171,17 +180,25 @@ def test_operators_pass_opcheck():
     torch.library.opcheck(OPS.encode_rows, (x, ref, 1, 4, 128, False, False, None, -1, 0))
     torch.library.opcheck(OPS.encode_rows, (x, None, 2, 8, 128, False, True, _signs((128, 1)), 0, 0))
     torch.library.opcheck(OPS.decode_rows, (wire, 512, 4, 128, False, torch.zeros(2, 512), True))
-    torch.library.opcheck(OPS.reduce_rows, (wire, 512, 4, 128, False, torch.randn(512), 0, torch.tensor(False),
-                                            None, 8, 128, False, False, 256, 1, 0))
+    torch.library.opcheck(
+        OPS.reduce_rows,
+        (wire, 512, 4, 128, False, torch.randn(512), 0, torch.tensor(False), None, 8, 128, False, False, 256, 1, 0),
+    )
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "TRITON_INTERPRET": "0", "SDPQ_TRITON": "0", **env})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "TRITON_INTERPRET": "0", "SDPQ_TRITON": "0", **env},
+    )
 
 
 def test_disabled_cpp_path_falls_back_to_the_reference():
-    res = _run("""
+    res = _run(
+        """
         import warnings, torch
         warnings.simplefilter("error")  # an explicit opt-out is not warned about
         from sdpq import kernels as F
@@ -191,12 +208,15 @@ def test_disabled_cpp_path_falls_back_to_the_reference():
         got = F.encode_rows(x, QuantSpec(4, 128))[0]
         assert torch.equal(got, R.encode_rows_ref(x, QuantSpec(4, 128), None, 1, None, None, None)[0])
         print("ok")
-    """, SDPQ_CPP="0")
+    """,
+        SDPQ_CPP="0",
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 
 def test_missing_compiler_warns_once_and_falls_back(tmp_path):
-    res = _run("""
+    res = _run(
+        """
         import warnings, torch
         from sdpq.kernels.native import CppBuildWarning
         from sdpq import kernels as F
@@ -210,7 +230,10 @@ def test_missing_compiler_warns_once_and_falls_back(tmp_path):
         assert len(built) == 1 and "could not be built" in str(built[0].message), [str(m.message) for m in w]
         assert torch.equal(got, R.encode_rows_ref(x, QuantSpec(4, 128), None, 1, None, None, None)[0])
         print("ok")
-    """, SDPQ_CACHE=str(tmp_path), CXX="/nonexistent/c++")
+    """,
+        SDPQ_CACHE=str(tmp_path),
+        CXX="/nonexistent/c++",
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 

@@ -35,7 +35,10 @@ def test_run_local_starts_every_rank(tmp_path, monkeypatch):
     lines: list[str] = []
     code = run_local([str(script)], 2, log=tmp_path / "log", timeout=120, on_line=lines.append)
     assert code == 0
-    assert sorted(x.strip() for x in lines if x.startswith("rank")) == ["rank 0 of 2 threads 1", "rank 1 of 2 threads 1"]
+    assert sorted(x.strip() for x in lines if x.startswith("rank")) == [
+        "rank 0 of 2 threads 1",
+        "rank 1 of 2 threads 1",
+    ]
     assert (tmp_path / "log").read_text().count("rank ") >= 2
 
 
@@ -49,8 +52,9 @@ def _running(pid: int) -> bool:
 
 def test_run_local_kills_a_hung_launch(tmp_path):
     script = tmp_path / "hang.py"
-    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
-                      "time.sleep(600)\n")
+    script.write_text(
+        f"import os, time\nopen(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\ntime.sleep(600)\n"
+    )
     with pytest.raises(TimeoutError, match="ran past 10 s"):
         run_local([str(script)], 2, log=tmp_path / "log", timeout=10)
     pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]

@@ -9,8 +9,10 @@ import pytest
 from sdpq.launch.emulated import measure_link
 from sdpq.launch.netns import EmulatedNodes, cleanup_stale
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-                                reason="network namespaces need root and iproute2")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="network namespaces need root and iproute2",
+)
 
 
 def _namespaces() -> str:

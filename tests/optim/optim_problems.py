@@ -3,6 +3,7 @@
 Parameters may be fp64 (reference), fp32 or bf16; the loss and gradients are always computed
 in fp64 from the parameters' values so the only difference between runs is the optimizer.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,15 @@ class Problem:
     loss: Callable[[list[torch.Tensor]], torch.Tensor]  # fp64 params -> fp64 scalar
 
 
-def least_squares(seed: int = 0, n: int = 512, d: int = 64, out: int = 16, noise: float = 0.5,
-                  offset: float = 0.0, spread: float = 1.0) -> Problem:
+def least_squares(
+    seed: int = 0,
+    n: int = 512,
+    d: int = 64,
+    out: int = 16,
+    noise: float = 0.5,
+    offset: float = 0.0,
+    spread: float = 1.0,
+) -> Problem:
     """Y = X W*^T + b* + noise; params W [out, d], b [out]. Loss = mean squared error."""
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -42,10 +50,12 @@ def mlp(seed: int = 0, n: int = 512, d: int = 16, hidden: int = 64, noise: float
     T1 = torch.randn(hidden, d, generator=g, dtype=torch.float64) / math.sqrt(d)
     T2 = torch.randn(1, hidden, generator=g, dtype=torch.float64) / math.sqrt(hidden)
     Y = torch.tanh(X @ T1.T) @ T2.T * 3 + noise * torch.randn(n, 1, generator=g, dtype=torch.float64)
-    init = [torch.randn(hidden, d, generator=g, dtype=torch.float64) / math.sqrt(d),
-            torch.zeros(hidden, dtype=torch.float64),
-            torch.randn(1, hidden, generator=g, dtype=torch.float64) / math.sqrt(hidden),
-            torch.zeros(1, dtype=torch.float64)]
+    init = [
+        torch.randn(hidden, d, generator=g, dtype=torch.float64) / math.sqrt(d),
+        torch.zeros(hidden, dtype=torch.float64),
+        torch.randn(1, hidden, generator=g, dtype=torch.float64) / math.sqrt(hidden),
+        torch.zeros(1, dtype=torch.float64),
+    ]
 
     def loss(ps):
         W1, b1, W2, b2 = ps
@@ -54,8 +64,15 @@ def mlp(seed: int = 0, n: int = 512, d: int = 16, hidden: int = 64, noise: float
     return Problem(init, loss)
 
 
-def train(problem: Problem, make_opt, dtype: torch.dtype, steps: int = 300, lr: float = 1e-2,
-          schedule: bool = True, on_step=None) -> tuple[float, list[torch.Tensor], object]:
+def train(
+    problem: Problem,
+    make_opt,
+    dtype: torch.dtype,
+    steps: int = 300,
+    lr: float = 1e-2,
+    schedule: bool = True,
+    on_step=None,
+) -> tuple[float, list[torch.Tensor], object]:
     """Train from problem.init with parameters of ``dtype``; lr decays linearly to 0 over the
     run when ``schedule`` (a well-defined end point). Returns (final fp64 loss, params, opt)."""
     params = [t.clone().to(dtype).requires_grad_() for t in problem.init]
@@ -78,4 +95,3 @@ def set_grads(problem: Problem, params: list[torch.Tensor]) -> None:
     problem.loss(ps).backward()
     for p, q in zip(params, ps):
         p.grad = q.grad.to(p.dtype)
-

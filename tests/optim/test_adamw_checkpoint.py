@@ -1,5 +1,6 @@
 """Checkpoints of sdpq.optim.AdamW: bitwise resume, moving in and out of torch AdamW, format
 conversion, and DeepSpeed ZeRO-3 style flat partitions swapped into param_groups."""
+
 import copy
 import io
 
@@ -10,8 +11,12 @@ from optim_problems import mlp, set_grads
 from sdpq.optim import AdamW
 from sdpq.optim import states as S
 
-MODES = [dict(states="fp8", master="mcf"), dict(states="fp8", master="native", v_format="e5m2"),
-         dict(states="bf16", master="mcf", mcf_second_moment=True), dict(states="fp32", master="native")]
+MODES = [
+    dict(states="fp8", master="mcf"),
+    dict(states="fp8", master="native", v_format="e5m2"),
+    dict(states="bf16", master="mcf", mcf_second_moment=True),
+    dict(states="fp32", master="native"),
+]
 
 
 def _params(prob, kw):
@@ -177,8 +182,10 @@ def test_state_keys_may_be_fqns_as_torch_distributed_checkpoint_passes_them():
     _run(prob, params, opt, 3)
     sd = opt.state_dict()
     names = ["w1", "b1", "w2", "b2"]  # set_optimizer_state_dict keys the state by parameter FQN
-    by_fqn = {"state": {names[i]: v for i, v in sd["state"].items()},
-              "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+    by_fqn = {
+        "state": {names[i]: v for i, v in sd["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
     opt2 = AdamW([p.detach().clone().requires_grad_() for p in params], states="fp8", master="native")
     opt2.load_state_dict(copy.deepcopy(by_fqn))
     for p, q in zip(params, opt2.param_groups[0]["params"]):

@@ -1,4 +1,5 @@
 """sdpq.optim.AdamW: compressed state contents, memory, non-finite steps, argument errors."""
+
 import logging
 import re
 
@@ -19,12 +20,14 @@ def rel_err(x, y):
 
 def test_expansion_reduces_state_quantization_error_on_real_adam_states():
     """m and v of an fp32 AdamW run on the MLP, quantized both ways (figures printed)."""
-    _, params, opt = train(mlp(n=512), lambda ps, lr: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.999)),
-                           torch.float32, steps=100, lr=1e-2)
+    _, params, opt = train(
+        mlp(n=512), lambda ps, lr: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.999)), torch.float32, steps=100, lr=1e-2
+    )
     for name in ("exp_avg", "exp_avg_sq"):
         xs = [opt.state[p][name] for p in params]  # quantized per parameter, as the optimizer does
         x = torch.cat([t.flatten() for t in xs])
         for fmt in ("e4m3", "e5m2"):
+
             def roundtrip(expand, fmt=fmt, xs=xs):
                 return torch.cat([dequantize_fp8(quantize_fp8(t, fmt, expand=expand)).flatten() for t in xs])
 
@@ -79,8 +82,11 @@ def test_memory_report_fp8_mcf_vs_fp32_adamw():
     assert sdpq["per_param"]["weights"] == 2.0 and sdpq["per_param"]["master"] == 2.0
     assert sdpq["per_param"]["states"] == 2.0
     assert base["bytes_per_param"] == pytest.approx(14.0, abs=1e-3)
-    for states, master, pair, expected in (("bf16", "mcf", False, 8.0), ("fp8", "mcf", True, 9.0),
-                                           ("fp8", "native", False, 2 + 2)):
+    for states, master, pair, expected in (
+        ("bf16", "mcf", False, 8.0),
+        ("fp8", "mcf", True, 9.0),
+        ("fp8", "native", False, 2 + 2),
+    ):
         params = _model_params(torch.bfloat16)
         r = memory_report(_stepped(AdamW(params, states=states, master=master, mcf_second_moment=pair), params))
         assert r["bytes_per_param"] == pytest.approx(expected, abs=0.2)
@@ -88,7 +94,8 @@ def test_memory_report_fp8_mcf_vs_fp32_adamw():
 
 def _snapshot(opt, params):
     return [p.detach().clone() for p in params], {
-        id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+        id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params
+    }
 
 
 @pytest.mark.parametrize("scan", ["native", "torch"])
@@ -132,15 +139,19 @@ def test_non_finite_gradient_can_raise():
 
 def test_argument_errors_name_the_argument():
     p = torch.zeros(4, requires_grad=True)
-    cases = [(dict(states="int8"), "AdamW.states: invalid value 'int8'"),
-             (dict(master="fp32"), "AdamW.master: invalid value 'fp32'"),
-             (dict(v_format="e3m4"), "AdamW.v_format: invalid value 'e3m4'"),
-             (dict(group_size=0), "AdamW.group_size: invalid value 0"),
-             (dict(group_size=100), "AdamW.group_size: invalid value 100; allowed: a power of two"),
-             (dict(betas=(0.9, 1.0)), "AdamW.betas: invalid value (0.9, 1.0)"),
-             (dict(lr=-1.0), "AdamW.lr: invalid value -1.0"), (dict(lr=float("inf")), "AdamW.lr: invalid value inf"),
-             (dict(eps=float("nan")), "AdamW.eps: invalid value nan"),
-             (dict(on_nonfinite="ignore"), "on_nonfinite='ignore'"), (dict(mcf_second_moment=1), "mcf_second_moment")]
+    cases = [
+        (dict(states="int8"), "AdamW.states: invalid value 'int8'"),
+        (dict(master="fp32"), "AdamW.master: invalid value 'fp32'"),
+        (dict(v_format="e3m4"), "AdamW.v_format: invalid value 'e3m4'"),
+        (dict(group_size=0), "AdamW.group_size: invalid value 0"),
+        (dict(group_size=100), "AdamW.group_size: invalid value 100; allowed: a power of two"),
+        (dict(betas=(0.9, 1.0)), "AdamW.betas: invalid value (0.9, 1.0)"),
+        (dict(lr=-1.0), "AdamW.lr: invalid value -1.0"),
+        (dict(lr=float("inf")), "AdamW.lr: invalid value inf"),
+        (dict(eps=float("nan")), "AdamW.eps: invalid value nan"),
+        (dict(on_nonfinite="ignore"), "on_nonfinite='ignore'"),
+        (dict(mcf_second_moment=1), "mcf_second_moment"),
+    ]
     for kw, msg in cases:
         kw.setdefault("master", "native")
         with pytest.raises(ValueError, match=re.escape(msg)):
@@ -178,8 +189,9 @@ def test_from_config_takes_the_sections_options():
     """Every caller (DeepSpeed integration, training backends) builds the AdamW this way."""
     import sdpq
 
-    section = sdpq.Config.from_dict({"optimizer": {"states": "bf16", "master": "native", "group_size": 64,
-                                                   "v_format": "e5m2"}}).optimizer
+    section = sdpq.Config.from_dict(
+        {"optimizer": {"states": "bf16", "master": "native", "group_size": 64, "v_format": "e5m2"}}
+    ).optimizer
     opt = AdamW.from_config([torch.nn.Parameter(torch.zeros(4))], section, lr=0.5, betas=(0.8, 0.9), weight_decay=0.0)
     g = opt.param_groups[0]
     assert (g["states"], g["master"], g["group_size"], g["v_format"]) == ("bf16", "native", 64, "e5m2")

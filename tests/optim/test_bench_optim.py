@@ -1,4 +1,5 @@
 """`sdpq bench optim` produces the documented records (tiny sizes: a smoke test of the bench)."""
+
 import argparse
 
 from sdpq.bench import optim as bench
@@ -7,8 +8,9 @@ from sdpq.bench import optim as bench
 def test_bench_optim_records():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--numel", "5000", "--modes", "fp8+mcf", "fp32+native", "--device", "cpu",
-                              "--min-run-time", "0.01"])
+    args = parser.parse_args(
+        ["--numel", "5000", "--modes", "fp8+mcf", "fp32+native", "--device", "cpu", "--min-run-time", "0.01"]
+    )
     records = bench.run(args)
     assert [(r["states"], r["master"]) for r in records] == [("fp8", "mcf"), ("fp32", "native")]
     for r in records:
@@ -22,8 +24,9 @@ def test_many_small_parameters():
     """--param-numel caps each parameter: 5000 values in parameters of at most 512."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--numel", "5000", "--param-numel", "512", "--modes", "fp8+mcf", "--device", "cpu",
-                              "--min-run-time", "0.01"])
+    args = parser.parse_args(
+        ["--numel", "5000", "--param-numel", "512", "--modes", "fp8+mcf", "--device", "cpu", "--min-run-time", "0.01"]
+    )
     (r,) = bench.run(args)
     assert r["params"] == 10 and r["numel"] >= 5000
     assert bench._shapes(5000, 512) == [(1, 512)] * 10

@@ -111,8 +111,11 @@ def test_one_kernel_call_per_group_and_step(monkeypatch):
     monkeypatch.setattr(torch.ops.sdpq, "adamw_step_many", lambda *a: calls.append(len(a[0])) or many(*a))
     mcf, native = _params(), [torch.nn.Parameter(p.detach().float()) for p in _params(n=2)]
     mcf_alone, native_alone = _params(), [torch.nn.Parameter(p.detach().float()) for p in _params(n=2)]
-    opts = [AdamW([{"params": mcf}, {"params": native, "master": "native", "states": "bf16"}], lr=1e-2),
-            AdamW(mcf_alone, lr=1e-2), AdamW(native_alone, lr=1e-2, master="native", states="bf16")]
+    opts = [
+        AdamW([{"params": mcf}, {"params": native, "master": "native", "states": "bf16"}], lr=1e-2),
+        AdamW(mcf_alone, lr=1e-2),
+        AdamW(native_alone, lr=1e-2, master="native", states="bf16"),
+    ]
     for s in range(3):
         _grads(mcf + native, s)
         for p, q in zip(mcf + native, mcf_alone + native_alone):

@@ -1,5 +1,6 @@
 """sdpq.optim.AdamW under FSDP2 on 4 gloo ranks: same result as one process, DTensor states
 with the parameter's placements, and a DCP checkpoint resharded from 4 ranks to 2."""
+
 import pytest
 import torch
 
@@ -7,16 +8,20 @@ from sdpq.optim import AdamW, compress
 from sdpq.optim import states as S
 
 STEPS = 4
-MODES = {"fp8_native": dict(states="fp8", master="native"), "fp8_mcf": dict(states="fp8", master="mcf"),
-         "fp32_native": dict(states="fp32", master="native")}
+MODES = {
+    "fp8_native": dict(states="fp8", master="native"),
+    "fp8_mcf": dict(states="fp8", master="mcf"),
+    "fp32_native": dict(states="fp32", master="native"),
+}
 
 
 def _model(dtype):
     torch.manual_seed(0)  # same initial weights on every rank and in the single process
     # [64, 16] has whole rows per rank; [64] is 1-D (fp32 state fallback); [1, 48] leaves 3 of 4
     # ranks with an empty shard
-    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48), torch.nn.Tanh(),
-                            torch.nn.Linear(48, 1))
+    m = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 1)
+    )
     return m.to(dtype)
 
 
@@ -24,7 +29,7 @@ def _data(rank, world):
     g = torch.Generator().manual_seed(1)
     X, Y = torch.randn(64, 16, generator=g), torch.randn(64, 1, generator=g)
     n = 64 // world
-    return X[rank * n:(rank + 1) * n], Y[rank * n:(rank + 1) * n]
+    return X[rank * n : (rank + 1) * n], Y[rank * n : (rank + 1) * n]
 
 
 def _train(model, opt, rank, world, dtype):
@@ -43,8 +48,12 @@ def _full_states(opt, model):
     out = []
     for idx, _ in enumerate(model.parameters()):
         entry = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd["state"][idx].items()}
-        out.append([S.decode(entry, n, f8, group["group_size"]) for n, f8 in
-                    (("exp_avg", "e4m3"), ("exp_avg_sq", group["v_format"]))])
+        out.append(
+            [
+                S.decode(entry, n, f8, group["group_size"])
+                for n, f8 in (("exp_avg", "e4m3"), ("exp_avg_sq", group["v_format"]))
+            ]
+        )
     return out
 
 

@@ -1,4 +1,5 @@
 """sdpq.optim.compress: any torch optimizer with states compressed between steps."""
+
 import copy
 import io
 
@@ -21,8 +22,9 @@ PROBLEMS = {"least_squares": least_squares, "mlp": lambda: mlp(n=2048, hidden=32
 def test_wrapped_optimizer_tracks_its_uncompressed_run(problem, name, states):
     make, lr = OPTIMIZERS[name]
     ref, _, _ = train(PROBLEMS[problem](), make, torch.float32, lr=lr)
-    final, _, opt = train(PROBLEMS[problem](), lambda ps, lr: compress(make(ps, lr), states=states),
-                          torch.float32, lr=lr)
+    final, _, opt = train(
+        PROBLEMS[problem](), lambda ps, lr: compress(make(ps, lr), states=states), torch.float32, lr=lr
+    )
     print(f"{problem} {name} {states}: final loss {final:.5f} vs uncompressed {ref:.5f} ({(final - ref) / ref:+.3%})")
     assert abs(final - ref) / ref < 0.02
 
@@ -57,8 +59,10 @@ def test_state_memory_and_step_peak(name):
         _, peak = measure_peak(opt.step)
         r = memory_report(opt)
         rows[states] = (r["states"] + r["metadata"], peak)
-        print(f"{name} states={states or 'uncompressed'}: state bytes/param {rows[states][0] / (8 * 512 * 512):.3f}, "
-              f"peak extra memory during step {peak / one_param:.2f} x one parameter's fp32 size")
+        print(
+            f"{name} states={states or 'uncompressed'}: state bytes/param {rows[states][0] / (8 * 512 * 512):.3f}, "
+            f"peak extra memory during step {peak / one_param:.2f} x one parameter's fp32 size"
+        )
     n_states = {"sgd_momentum": 1, "adam": 2}[name]
     full = rows[None][0]
     assert full == pytest.approx(n_states * 8 * one_param, rel=0.01)
@@ -102,8 +106,12 @@ def test_checkpoint_resume_export_and_inner_state_dicts():
     opt3.load_state_dict(plain.state_dict())
     for q in opt3.param_groups[0]["params"]:
         assert opt3.state[q]["exp_avg"].dtype == torch.bfloat16 and q not in opt3.inner.state
-        torch.testing.assert_close(opt3.export_state_dict()["state"][0]["exp_avg"],
-                                   plain.state[plain.param_groups[0]["params"][0]]["exp_avg"], rtol=1e-2, atol=0)
+        torch.testing.assert_close(
+            opt3.export_state_dict()["state"][0]["exp_avg"],
+            plain.state[plain.param_groups[0]["params"][0]]["exp_avg"],
+            rtol=1e-2,
+            atol=0,
+        )
 
 
 def test_adafactor_keeps_factored_statistics_and_skips_non_finite_steps():

@@ -1,4 +1,5 @@
 """Properties of FP8 group quantization with COAT dynamic range expansion."""
+
 import math
 
 import pytest
@@ -48,8 +49,9 @@ def test_expansion_keeps_small_second_moments_that_plain_e4m3_flushes():
 
 
 @FAST
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 700), fmt=FMTS, expand=st.booleans(),
-       zero_frac=st.floats(0.0, 0.9))
+@given(
+    seed=st.integers(0, 2**31 - 1), n=st.integers(1, 700), fmt=FMTS, expand=st.booleans(), zero_frac=st.floats(0.0, 0.9)
+)
 def test_zeros_stay_exactly_zero_any_length(seed, n, fmt, expand, zero_frac):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, n, generator=g) * torch.exp(torch.randn(3, n, generator=g) * 2)

@@ -1,4 +1,5 @@
 """Properties of the Collage multi-component float (bf16 pair) arithmetic."""
+
 import pytest
 import torch
 from hypothesis import given, settings

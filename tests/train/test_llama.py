@@ -43,8 +43,9 @@ def _expected_params(cfg: LlamaConfig) -> int:
     return embeddings + positions + cfg.n_layer * per_block + d  # + the final norm
 
 
-@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 2}, {"n_kv_head": 1, "positions": "learned"},
-                                {"tie_embeddings": True}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"n_kv_head": 2}, {"n_kv_head": 1, "positions": "learned"}, {"tie_embeddings": True}]
+)
 def test_shapes_and_parameter_count_follow_the_config(kw):
     cfg = LlamaConfig(**TINY, **kw)
     assert cfg.ffn_hidden == 192 and cfg.n_kv_head == kw.get("n_kv_head", 4)  # ceil(8/3 * 64 / 64) * 64
@@ -132,18 +133,21 @@ def test_a_future_token_does_not_change_earlier_logits(kw):
     assert not torch.allclose(a[:, 9:], b[:, 9:])  # from the changed position on, the logits move
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"d_model": 62}, "LlamaConfig.d_model: 62 must be divisible by n_head=4"),
-    ({"n_kv_head": 3}, "LlamaConfig.n_kv_head: 3; allowed: a divisor of n_head=4"),
-    ({"positions": "alibi"}, "LlamaConfig.positions: 'alibi'; allowed: 'rotary', 'learned'"),
-    ({"d_model": 12, "n_head": 4}, "LlamaConfig.d_model: rotary .* d_model / n_head = 3 must be even"),
-    ({"n_layer": 0}, r"LlamaConfig.n_layer: 0; allowed: an integer >= 1"),
-    ({"ffn_hidden": -64}, r"LlamaConfig.ffn_hidden: -64; allowed: an integer >= 1"),
-    ({"seq_len": 8.0}, r"LlamaConfig.seq_len: 8.0; allowed: an integer >= 1"),
-    ({"tie_embeddings": "yes"}, "LlamaConfig.tie_embeddings: 'yes'; allowed: True, False"),
-    ({"norm_eps": 0.0}, r"LlamaConfig.norm_eps: 0.0; allowed: a number > 0"),
-    ({"rope_theta": -1.0}, r"LlamaConfig.rope_theta: -1.0; allowed: a number > 0"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"d_model": 62}, "LlamaConfig.d_model: 62 must be divisible by n_head=4"),
+        ({"n_kv_head": 3}, "LlamaConfig.n_kv_head: 3; allowed: a divisor of n_head=4"),
+        ({"positions": "alibi"}, "LlamaConfig.positions: 'alibi'; allowed: 'rotary', 'learned'"),
+        ({"d_model": 12, "n_head": 4}, "LlamaConfig.d_model: rotary .* d_model / n_head = 3 must be even"),
+        ({"n_layer": 0}, r"LlamaConfig.n_layer: 0; allowed: an integer >= 1"),
+        ({"ffn_hidden": -64}, r"LlamaConfig.ffn_hidden: -64; allowed: an integer >= 1"),
+        ({"seq_len": 8.0}, r"LlamaConfig.seq_len: 8.0; allowed: an integer >= 1"),
+        ({"tie_embeddings": "yes"}, "LlamaConfig.tie_embeddings: 'yes'; allowed: True, False"),
+        ({"norm_eps": 0.0}, r"LlamaConfig.norm_eps: 0.0; allowed: a number > 0"),
+        ({"rope_theta": -1.0}, r"LlamaConfig.rope_theta: -1.0; allowed: a number > 0"),
+    ],
+)
 def test_bad_config_names_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig(**{**TINY, **kw})
@@ -180,14 +184,21 @@ def test_unknown_model_flag_names_the_flag_and_the_choices(capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(["--model", "foo"])
     # argparse quotes the choices on Python < 3.12.8 / 3.13.1 and not after.
-    assert re.search(r"argument --model: invalid choice: 'foo' \(choose from '?gpt'?, '?llama'?\)",
-                     capsys.readouterr().err)
+    assert re.search(
+        r"argument --model: invalid choice: 'foo' \(choose from '?gpt'?, '?llama'?\)", capsys.readouterr().err
+    )
 
 
 def test_launchers_pass_the_model_on():
     env = {**os.environ, "SDPQ_DRY_RUN": "1", "NPROC": "4", "RANKS_PER_NODE": "2"}
-    proc = subprocess.run(["bash", "launchers/single_node.sh", "--model", "llama"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", "launchers/single_node.sh", "--model", "llama"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0 and "-m sdpq.train --ranks-per-node 2 --model llama" in proc.stderr
 
 
@@ -201,13 +212,28 @@ ZERO3_MODEL = LlamaConfig(**{**TINY, "seq_len": 32, "tie_embeddings": True})
 
 
 def _llama_spec(ctx, backend, model):
-    return RunSpec(backend=backend, model=model, sdpq=QUANT, steps=8, micro_batch=2, warmup=2, lr=3e-3,
-                   eval_batches=1, log_every=0, ranks_per_node=ctx.ranks_per_node)
+    return RunSpec(
+        backend=backend,
+        model=model,
+        sdpq=QUANT,
+        steps=8,
+        micro_batch=2,
+        warmup=2,
+        lr=3e-3,
+        eval_batches=1,
+        log_every=0,
+        ranks_per_node=ctx.ranks_per_node,
+    )
 
 
 def _summary(r) -> dict:
-    return {"losses": r.losses, "val": r.val_loss, "comm": r.comm["total"], "cross": r.cross_node_bytes_per_step,
-            "params": r.extra["params"]}
+    return {
+        "losses": r.losses,
+        "val": r.val_loss,
+        "comm": r.comm["total"],
+        "cross": r.cross_node_bytes_per_step,
+        "params": r.extra["params"],
+    }
 
 
 def _train_fsdp(ctx):

@@ -19,8 +19,15 @@ from sdpq.train.model import GPTConfig
 from sdpq.train.run import RunSpec, lr_at, validation_loss
 
 META = torch.device("meta")
-SPEC = RunSpec(model=GPTConfig(seq_len=8, n_layer=1, n_head=1, d_model=8), micro_batch=2, grad_accum=2, steps=3,
-               warmup=1, log_every=0, eval_batches=2)
+SPEC = RunSpec(
+    model=GPTConfig(seq_len=8, n_layer=1, n_head=1, d_model=8),
+    micro_batch=2,
+    grad_accum=2,
+    steps=3,
+    warmup=1,
+    log_every=0,
+    eval_batches=2,
+)
 
 
 class _Data:
@@ -138,8 +145,16 @@ def _train_in_nccl_mode(ctx):
 
     off: list = []
     data = Recording(TokenData.stdlib().tokens)
-    spec = RunSpec(model=GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32), steps=2, micro_batch=2, warmup=1,
-                   sdpq=EXACT, ranks_per_node=1, eval_batches=1, log_every=1)
+    spec = RunSpec(
+        model=GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32),
+        steps=2,
+        micro_batch=2,
+        warmup=1,
+        sdpq=EXACT,
+        ranks_per_node=1,
+        eval_batches=1,
+        log_every=1,
+    )
     try:
         with nccl_devices() as report:
             fsdp_backend.train(spec, data=data)
@@ -164,8 +179,17 @@ def _train_deepspeed_in_nccl_mode(ctx):
     from benchmarks.zeropp.groups import reset_deepspeed_groups
 
     reset_deepspeed_groups()  # DeepSpeed caches the groups of an earlier run in this worker
-    spec = RunSpec(backend="deepspeed", model=GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32), steps=2,
-                   micro_batch=2, warmup=1, ranks_per_node=1, eval_batches=1, log_every=1, count_bytes="exact")
+    spec = RunSpec(
+        backend="deepspeed",
+        model=GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32),
+        steps=2,
+        micro_batch=2,
+        warmup=1,
+        ranks_per_node=1,
+        eval_batches=1,
+        log_every=1,
+        count_bytes="exact",
+    )
     try:
         with nccl_devices() as report:
             deepspeed_backend.train(spec)

@@ -20,8 +20,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # What a launcher would set: a stale value from the test's own environment must not leak in.
-_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SDPQ_DRY_RUN")
+_JOB_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "SDPQ_DRY_RUN",
+)
 # 2 steps of a 1-layer model: the examples' settings, layouts and collectives, at a fraction of the time
 # (the model's size is a flag of its own: no config key changes with it).
 _SHORT = ["--steps", "2", "--eval-batches", "0", "--log-every", "0", "--n-layer", "1", "--d-model", "128"]
@@ -66,9 +79,15 @@ def run_example(tmp_path: Path, env: dict, script: str, args: list[str], timeout
     # The README's --steps (if any) is replaced by the short run's.
     if "--steps" in args:
         i = args.index("--steps")
-        args = args[:i] + args[i + 2:]
-    proc = subprocess.run(["bash", str(REPO / "launchers" / script), *args, *_SHORT, "--out", str(out)],
-                          cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=timeout)
+        args = args[:i] + args[i + 2 :]
+    proc = subprocess.run(
+        ["bash", str(REPO / "launchers" / script), *args, *_SHORT, "--out", str(out)],
+        cwd=REPO,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{script} {args} failed:\n{log[-4000:]}"
     return json.loads(out.read_text()), proc.stdout
@@ -85,8 +104,11 @@ def check_record(record: dict, stdout: str, script: str, env: dict, args: list[s
         assert extra["cross_node_counter"] == "sdpq.stats" and cross > 0
     else:  # a baseline counts with sdpq's exact collectives
         assert "exact collectives" in extra["cross_node_counter"] and cross > 0
-    printed = [line.removeprefix("[sdpq.train] ") for line in stdout.splitlines()
-               if line.startswith("[sdpq.train] ") and " overrides " in line]
+    printed = [
+        line.removeprefix("[sdpq.train] ")
+        for line in stdout.splitlines()
+        if line.startswith("[sdpq.train] ") and " overrides " in line
+    ]
     assert printed == [o["line"] for o in record["overrides"]]
     if "--config" not in args:
         assert printed == []
@@ -102,7 +124,11 @@ def check_record(record: dict, stdout: str, script: str, env: dict, args: list[s
         return
     params = expected["optimizer"]["params"]  # fsdp2: the file's optimizer, precision and clipping
     assert (spec["lr"], spec["eps"], spec["weight_decay"], list(spec["betas"])) == (
-        params["lr"], params["eps"], params["weight_decay"], params["betas"])
+        params["lr"],
+        params["eps"],
+        params["weight_decay"],
+        params["betas"],
+    )
     assert spec["grad_clip"] == expected["gradient_clipping"]
     bf16 = expected.get("bf16", {}).get("enabled", False)
     assert (extra["mp_policy"] or {}).get("param_dtype") == ("torch.bfloat16" if bf16 else None)
@@ -126,9 +152,17 @@ def _cases():
 def test_readme_examples_are_found():
     found = {(s, tuple(a)) for r in ("launchers/README.md", "ds_configs/README.md") for _, s, a in readme_examples(r)}
     assert ("single_node.sh", ("--backend", "fsdp2")) in found
-    assert ("single_node.sh", ("--backend", "deepspeed", "--config", "ds_configs/zero3_sdpq.json", "--steps", "10")) in found
-    assert {s for s, _ in found} >= {"single_node.sh", "emulated_cluster.sh", "torchrun_multinode.sh",
-                                    "deepspeed_hostfile.sh", "mpirun.sh"}
+    assert (
+        "single_node.sh",
+        ("--backend", "deepspeed", "--config", "ds_configs/zero3_sdpq.json", "--steps", "10"),
+    ) in found
+    assert {s for s, _ in found} >= {
+        "single_node.sh",
+        "emulated_cluster.sh",
+        "torchrun_multinode.sh",
+        "deepspeed_hostfile.sh",
+        "mpirun.sh",
+    }
 
 
 @pytest.mark.parametrize("env,script,args", _cases())
@@ -141,16 +175,22 @@ def test_readme_example(tmp_path, env, script, args):
 
 _READY = sorted(p.name for p in (REPO / "ds_configs").glob("*.json"))
 # (config, backend) pairs a README example already runs on one machine as 2 x 2.
-_IN_README = {(a[a.index("--config") + 1].removeprefix("ds_configs/"), a[a.index("--backend") + 1])
-              for r in ("launchers/README.md", "ds_configs/README.md") for e, s, a in readme_examples(r)
-              if s == "single_node.sh" and "--config" in a and "--backend" in a
-              and (e.get("NPROC"), e.get("RANKS_PER_NODE")) == ("4", "2")}
+_IN_README = {
+    (a[a.index("--config") + 1].removeprefix("ds_configs/"), a[a.index("--backend") + 1])
+    for r in ("launchers/README.md", "ds_configs/README.md")
+    for e, s, a in readme_examples(r)
+    if s == "single_node.sh"
+    and "--config" in a
+    and "--backend" in a
+    and (e.get("NPROC"), e.get("RANKS_PER_NODE")) == ("4", "2")
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,backend", [
-    (c, b) for c in _READY for b in ("deepspeed", "fsdp2")
-    if c != "zero3_zeropp.json" and (c, b) not in _IN_README])  # ZeRO++: CUDA only
+@pytest.mark.parametrize(
+    "config,backend",
+    [(c, b) for c in _READY for b in ("deepspeed", "fsdp2") if c != "zero3_zeropp.json" and (c, b) not in _IN_README],
+)  # ZeRO++: CUDA only
 def test_ready_config(tmp_path, config, backend):
     env, args = {"NPROC": "4", "RANKS_PER_NODE": "2"}, ["--backend", backend, "--config", f"ds_configs/{config}"]
     record, stdout = run_example(tmp_path, env, "single_node.sh", args)
@@ -160,13 +200,21 @@ def test_ready_config(tmp_path, config, backend):
 def test_flags_override_the_file_and_say_so(tmp_path):
     """A flag changes its one key of the DeepSpeed config, printed once; the rest runs as written."""
     env = {"NPROC": "2", "RANKS_PER_NODE": "1"}
-    args = ["--backend", "deepspeed", "--config", "ds_configs/zero3_sdpq_gradients.json", "--lr", "0.001",
-            "--grad-clip", "0.5"]
+    args = [
+        "--backend",
+        "deepspeed",
+        "--config",
+        "ds_configs/zero3_sdpq_gradients.json",
+        "--lr",
+        "0.001",
+        "--grad-clip",
+        "0.5",
+    ]
     record, stdout = run_example(tmp_path, env, "single_node.sh", args)
     assert [o["line"] for o in record["overrides"]] == [
         "--grad-clip 0.5 overrides gradient_clipping 1.0 from ds_configs/zero3_sdpq_gradients.json",
         "--lr 0.001 overrides optimizer.params.lr 0.0003 from ds_configs/zero3_sdpq_gradients.json",
-        '--ranks-per-node 1 overrides sdpq.topology.ranks_per_node (not set) from ds_configs/zero3_sdpq_gradients.json',
+        "--ranks-per-node 1 overrides sdpq.topology.ranks_per_node (not set) from ds_configs/zero3_sdpq_gradients.json",
     ]
     assert stdout.count("--lr 0.001 overrides") == 1
     check_record(record, stdout, "single_node.sh", env, args)

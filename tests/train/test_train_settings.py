@@ -40,7 +40,12 @@ def _file(tmp_path, base: str = "zero3_sdpq.json", **changes) -> str:
 def test_without_a_file_flags_and_defaults(tmp_path):
     r = _resolve()
     assert (r.spec.lr, r.spec.grad_clip, r.spec.micro_batch, r.spec.bf16, r.spec.mixed_precision) == (
-        1e-3, 1.0, 4, False, None)
+        1e-3,
+        1.0,
+        4,
+        False,
+        None,
+    )
     assert r.spec.ranks_per_node == 4 and r.overrides == () and r.spec.deepspeed is None  # launcher's
     assert r.spec.count_bytes == "exact" and RunSpec().count_bytes == "off"  # the CLI counts; the library is plain
     r = _resolve("--lr", "0.01", "--bf16", "--grad-clip", "0")
@@ -76,13 +81,16 @@ def test_keys_the_file_leaves_out_mean_what_they_mean_to_deepspeed(tmp_path):
     assert r.spec.deepspeed["gradient_clipping"] == 2.0
 
 
-@pytest.mark.parametrize("flag,file,env,expected", [
-    (None, "auto", {"LOCAL_WORLD_SIZE": "4"}, 4),  # the launcher, for "auto"
-    (None, 2, {"LOCAL_WORLD_SIZE": "4"}, 2),  # the file's integer over the launcher
-    ("1", "auto", {"LOCAL_WORLD_SIZE": "4"}, 1),  # the flag over the file
-    ("auto", 2, {"LOCAL_WORLD_SIZE": "4"}, 2),  # the flag "auto" defers to the file
-    (None, "auto", {}, 8),  # no launcher variable: one node
-])
+@pytest.mark.parametrize(
+    "flag,file,env,expected",
+    [
+        (None, "auto", {"LOCAL_WORLD_SIZE": "4"}, 4),  # the launcher, for "auto"
+        (None, 2, {"LOCAL_WORLD_SIZE": "4"}, 2),  # the file's integer over the launcher
+        ("1", "auto", {"LOCAL_WORLD_SIZE": "4"}, 1),  # the flag over the file
+        ("auto", 2, {"LOCAL_WORLD_SIZE": "4"}, 2),  # the flag "auto" defers to the file
+        (None, "auto", {}, 8),  # no launcher variable: one node
+    ],
+)
 def test_ranks_per_node_order(tmp_path, flag, file, env, expected):
     path = _file(tmp_path, sdpq__topology__ranks_per_node=file)
     for backend in ("deepspeed", "fsdp2"):  # the same answer for both backends
