@@ -63,9 +63,7 @@ def _ops(n: int, device: torch.device) -> dict[str, Op]:
     own2 = torch.randn(n // 4, device=device, generator=g)
     ops["grads_reduce_inverse_hadamard_int4"] = (
         lambda: F.reduce_rows(recv2, INTER, n // 4, own2, 0, no, hadamard=HAD),
-        lambda: R.reduce_rows_ref(
-            recv2, INTER, n // 4, own2, 0, torch.zeros(1, device=device), HAD, None, 0, -1, None
-        ),
+        lambda: R.reduce_rows_ref(recv2, INTER, n // 4, own2, 0, torch.zeros(1, device=device), HAD, None, 0, -1, None),
         INTER.wire_bytes(n // 4) + n + n,
     )
     return ops
