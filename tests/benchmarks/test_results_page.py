@@ -100,10 +100,12 @@ def test_headline_rows_carry_their_provenance():
     for key, row in rows.items():
         for col in ("command", "date", "commit", "machine"):
             assert row[col], (key, col)
-    # Only the emulated-cluster files record a date; none records a commit or a machine.
+    # Older files record no commit (the emulated-cluster ones a date only); the long-run study's
+    # records all three (benchmarks/provenance.py).
     assert rows["step-200mbit-fsdp2"]["date"] == "2026-11-24"
     assert rows["bytes-fsdp2"]["date"] == results_page.NOT_RECORDED
-    assert all(r["commit"] == results_page.NOT_RECORDED for r in rows.values())
+    assert rows["bytes-fsdp2"]["commit"] == results_page.NOT_RECORDED
+    assert all(rows["loss-long-fsdp2"][c] != results_page.NOT_RECORDED for c in ("date", "commit", "machine"))
 
 
 def test_long_run_rows_from_convergence_long_summary(tmp_path):
