@@ -98,31 +98,33 @@ class BucketLayout(NamedTuple):
         """The padded row of chunk r -> out (chunk_numel elements; zero where no segment is).
         A layout of one chunk unpacks any row with it (r is then ignored)."""
         runs = self.runs[r if len(self.runs) > 1 else 0]
-        covered = 0
         for src, dst, n in runs:
-            covered += n
             out[src : src + n] = row[dst : dst + n]
-        if covered != out.numel():
-            mask = torch.ones(out.numel(), dtype=torch.bool, device=out.device)
-            for src, _, n in runs:
-                mask[src : src + n] = False
-            out.masked_fill_(mask, 0)
+        _zero_gaps(runs, out)
 
     def unpack(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, padded_chunk] -> [N * chunk_numel] in chunk order (a one-chunk layout: every row
-        unpacked alike)."""
+        unpacked alike, one copy per run for all rows)."""
         N, cn = rows.shape[0], self.chunk_numel
         out = torch.empty((N, cn), dtype=rows.dtype, device=rows.device)
         if len(self.runs) == 1 and N > 1:
             for src, dst, n in self.runs[0]:
                 out[:, src : src + n] = rows[:, dst : dst + n]
-            if sum(n for _, _, n in self.runs[0]) != cn:
-                for r in range(N):
-                    self.unpack_chunk(rows[r], 0, out[r])
+            _zero_gaps(self.runs[0], out)
             return out.view(-1)
         for r in range(N):
             self.unpack_chunk(rows[r], r, out[r])
         return out.view(-1)
+
+
+def _zero_gaps(runs: tuple[tuple[int, int, int], ...], out: torch.Tensor) -> None:
+    """Zero what no run covers along out's last dim (runs are sorted by source offset)."""
+    end = 0
+    for src, _, n in runs:
+        if src > end:
+            out[..., end:src] = 0
+        end = src + n
+    out[..., end:] = 0
 
 
 def row_block(block: int, chunks: Sequence[Sequence[Segment]]) -> int:
