@@ -23,7 +23,10 @@ from .steps import Checks, Ctx
 __all__ = ["train_fsdp", "train_zero3"]
 
 WORLD, PER_NODE = 4, 2
-LOSS_RTOL = 0.02  # bf16 compute on two devices (cuBLAS vs CPU GEMMs) over a few steps
+# Note: bf16 GEMMs round differently on the two devices and a quantized run amplifies that like
+# a change of seed: trajectories agree at the start and then only in level, hence two bounds.
+FIRST_STEPS, FIRST_RTOL = 2, 0.005  # steps 0-1: the same computation up to rounding
+TAIL, TAIL_RTOL = 10, 0.05  # mean of the last steps: a seed's spread on this small model
 
 
 def _batch(step: int, rank: int, seq: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +62,7 @@ def _use_kernels_for(arm_device: str, rehearse: bool) -> None:
     fused._triton_mode.cache_clear()
 
 
-def _fsdp_run(device: torch.device, use_sdpq: bool, steps: int, d_model: int) -> list[float]:
+def _fsdp_run(device: torch.device, use_sdpq: bool, steps: int, d_model: int, quantize: bool = True) -> list[float]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -76,7 +79,10 @@ def _fsdp_run(device: torch.device, use_sdpq: bool, steps: int, d_model: int) ->
     opt: torch.optim.Optimizer
     if use_sdpq:
         opt = sdpq.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        sdpq.fsdp.apply(model, {"topology": {"ranks_per_node": PER_NODE}}, optimizer=opt)
+        cfg: dict = {"topology": {"ranks_per_node": PER_NODE}}
+        if not quantize:  # sdpq's collectives and AdamW, nothing quantized on the wire
+            cfg.update(weights={"mode": "exact"}, gradients={"mode": "exact"})
+        sdpq.fsdp.apply(model, cfg, optimizer=opt)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses, rank = [], dist.get_rank()
@@ -100,14 +106,14 @@ def _fsdp_worker(rank: int, port: int, rehearse: bool, steps: int, d_model: int,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     res = {}
-    arms = [("sdpq_device", device, True), ("sdpq_cpu", torch.device("cpu"), True)]
+    arms = [("sdpq_device", device, True), ("sdpq_cpu", torch.device("cpu"), True), ("exact_device", device, True)]
     if rehearse:
         # Plain FSDP2 calls gloo's own all-gather / reduce-scatter, which refuse CUDA tensors
         # (sdpq's collectives carry them through the host): on the GPU it cannot run this way.
         arms.insert(1, ("plain_device", device, False))
     for arm, dev, use in arms:
         _use_kernels_for("device" if arm.endswith("device") else "cpu", rehearse)
-        res[arm] = _fsdp_run(dev, use, steps, d_model)
+        res[arm] = _fsdp_run(dev, use, steps, d_model, quantize=not arm.startswith("exact"))
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     import torch.distributed as dist
@@ -133,17 +139,36 @@ def _spawn(worker, ctx: Ctx, steps: int, d_model: int) -> dict:
         return json.loads(Path(out).read_text())
 
 
+def _tail(losses: list[float]) -> float:
+    return sum(losses[-TAIL:]) / len(losses[-TAIL:])
+
+
 def _compare(res: dict, c: Checks, what: str) -> dict:
     dev, cpu = res["sdpq_device"], res["sdpq_cpu"]
     rel = [abs(a - b) / abs(b) for a, b in zip(dev, cpu)]
-    c.add(f"{what}: losses finite", all(map(lambda v: v == v and abs(v) < 1e4, dev + cpu)))
+    c.add(f"{what}: losses finite", all(v == v and abs(v) < 1e4 for arm in res.values() for v in arm))
+    first = max(rel[:FIRST_STEPS])
     c.add(
-        f"{what}: device losses match the CPU run within {LOSS_RTOL:.0%}", max(rel) <= LOSS_RTOL, f"max {max(rel):.2e}"
+        f"{what}: the first {FIRST_STEPS} steps' losses match the CPU run within {FIRST_RTOL:.1%}",
+        first <= FIRST_RTOL,
+        f"max {first:.2e}",
+    )
+    tail = _tail(dev) / _tail(cpu)
+    c.add(
+        f"{what}: the last {TAIL} steps' mean loss matches the CPU run within {TAIL_RTOL:.0%}",
+        abs(tail - 1) <= TAIL_RTOL,
+        f"ratio {tail:.4f}",
     )
     c.add(f"{what}: the loss goes down", dev[-1] < dev[0])
-    figures = {"loss_max_rel_diff_vs_cpu": max(rel), "losses": res}
-    if "plain_device" in res:
-        figures["final_loss_ratio_sdpq_vs_plain"] = dev[-1] / res["plain_device"][-1]
+    figures = {
+        "first_steps_max_rel_diff_vs_cpu": first,
+        "loss_max_rel_diff_vs_cpu": max(rel),  # every step (reported; the trajectories may part)
+        "tail_mean_ratio_vs_cpu": tail,
+        "losses": res,
+    }
+    for base in ("exact_device", "plain_device"):  # context: the same device, nothing quantized
+        if base in res:
+            figures[f"tail_mean_ratio_vs_{base}"] = _tail(dev) / _tail(res[base])
     return figures
 
 

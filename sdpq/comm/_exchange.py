@@ -48,6 +48,11 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """Every member's flat `inp` into `out`, in group-rank order (the plain, unquantized collective)."""
+    if _through_host(inp, group):
+        host = torch.empty(out.shape, dtype=out.dtype)
+        _all_gather_single(host, inp.cpu(), group=group)
+        out.copy_(host)
+        return
     _all_gather_single(out, inp, group=group)
 
 
@@ -83,7 +88,9 @@ def all_gather_rows(row: torch.Tensor, group, async_op: bool = False, out: torch
 
 
 def all_to_all_rows(rows: torch.Tensor, group, async_op: bool = False):
-    """Row j of `rows` [k, len] goes to group rank j; row j of the result came from rank j."""
+    """Row j of `rows` [k, len] goes to group rank j; row j of the result came from rank j.
+    Returns (result, work): work is None where the exchange has completed (a group of one, or
+    one staged through the host, which waits)."""
     k = group_size(group)
     if k == 1:
         return rows, None

@@ -67,8 +67,15 @@ class _Pending(NamedTuple):
 
     own: Any
     recv: torch.Tensor | None
-    work: Any
+    work: Any  # None once complete (an exchange staged through the host, see _exchange)
     bad: Any
+
+
+def _wait(work) -> None:
+    """Wait for an exchange's handle; None is an exchange that has already completed."""
+    if work is not None:
+        with timing.span("comm.grads"):
+            work.wait()
 
 
 class _NodePartial(NamedTuple):
@@ -352,8 +359,7 @@ class GradReduceScatter:
         nodes, l = topo.nodes, topo.local_rank
         if p.recv is None:  # no intra stage (see _issue_intra)
             return p.own if isinstance(p.own, _NodePartial) else _NodePartial(p.own, None, None, None)
-        with timing.span("comm.grads"):
-            p.work.wait()
+        _wait(p.work)
         with timing.span("grads.reduce"):  # decode + sum (+ re-encode for the inter stage)
             if nodes > 1 and call.fused_inter:
                 wire, own_p, bad = reduce_rows(
@@ -419,8 +425,7 @@ class GradReduceScatter:
             with timing.span("grads.reduce"):
                 out[:] = _inverse_hadamard(y, *had) if had and L == 1 else y
             return
-        with timing.span("comm.grads"):
-            p.work.wait()
+        _wait(p.work)
         with timing.span("grads.reduce"):  # decode + sum + inverse Hadamard
             out[:] = reduce_rows(p.recv, self.inter_spec, S, p.own, self.topology.node, p.bad, hadamard=had)
 

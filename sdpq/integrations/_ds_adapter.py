@@ -36,10 +36,10 @@ What is patched, and why there (DeepSpeed 0.19.8):
   padded sizes), so the reduce-scatter hook builds it at the bucket's first use without a check
   of its own (`agreed_at_setup`). The optimizer step's part (`mark_weights_changed`, which reads
   what the last refreshes flagged on the device) runs between steps, like FSDP2's step hook.
-- devices: every buffer sdpq hands a collective, the gathered parameters and the restored
-  references and residuals live on the world group's communication device (`comm_device`:
-  NCCL's current GPU, which is DeepSpeed's accelerator). With `offload_param` the partitions
-  are on the CPU: like DeepSpeed's own gather, each is copied to the accelerator first.
+- devices: the buffers sdpq hands a collective, the gathered parameters and the restored
+  references and residuals live on DeepSpeed's accelerator (`engine.device`; with NCCL also the
+  world group's communication device). With `offload_param` the partitions are on the CPU:
+  like DeepSpeed's own gather, each is copied to the accelerator first.
 - optimizer memory, opt-in (`workarounds.deepspeed_alias_bf16_master`): with sdpq AdamW on bf16
   master partitions (MCF), the master partition list is pointed at the compute partitions
   (`_alias_bf16_master`), the aliasing ZeRO-3 intends but misses (it compares a torch.device

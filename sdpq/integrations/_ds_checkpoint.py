@@ -126,7 +126,7 @@ class CheckpointMixin(AdapterState):
         one. One all-gather of a flag on the world's communication device; the texts travel
         only when some rank has a problem."""
         group = self.topology.world_group
-        mine = torch.tensor([1 if problem else 0], dtype=torch.int64, device=self._device)
+        mine = torch.tensor([1 if problem else 0], dtype=torch.int64, device=self._comm_device)
         flags, work = all_gather_rows(mine, group)
         if work is not None:
             work.wait()

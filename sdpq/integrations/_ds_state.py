@@ -32,8 +32,18 @@ class AdapterState:
     @property
     def _device(self) -> torch.device:
         """Where sdpq's weight gathers, gradient buckets and their state live: the world group's
-        communication device (NCCL: this rank's current GPU, which is also DeepSpeed's
-        accelerator), whatever device the ZeRO partitions are on (the CPU with offload_param)."""
+        communication device (NCCL: this rank's current GPU, which is DeepSpeed's too; gloo on
+        the CPU: the CPU), whatever device the partitions are on (the CPU with offload_param).
+
+        Note: one exception, gloo with DeepSpeed on an accelerator (several ranks sharing one
+        GPU, the GPU check): the buffers stay on DeepSpeed's device (``engine.device``) and
+        sdpq's exchanges stage them through the host (sdpq.comm._exchange)."""
+        comm, engine = self._comm_device, torch.device(self.engine.device)
+        return engine if engine.type != "cpu" and comm.type == "cpu" else comm
+
+    @property
+    def _comm_device(self) -> torch.device:
+        """Where a bookkeeping tensor for a collective on the world group lives (a flag)."""
         return comm_device(self.topology.world_group)
 
     def _weight_gather(self, p: Any) -> WeightGather:  # _ds_adapter.py

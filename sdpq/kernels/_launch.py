@@ -13,12 +13,13 @@ may pass 2^31 elements, where int32 arithmetic would wrap to a wrong address.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import triton
 import triton.language as tl
 
-__all__ = ["GRID_LIMITS", "check_grid", "launch", "num_warps", "program_index"]
+__all__ = ["GRID_LIMITS", "check_grid", "launch", "libdevice_for", "num_warps", "program_index"]
 
 # CUDA's gridDim limits (x, y, z) on every architecture Triton targets.
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
@@ -40,6 +41,12 @@ def num_warps(tile: int, per_warp: int = 512) -> int:
     block of 4096, the most sdpq.config allows) without spilling registers: the codec with 512
     elements a warp, the AdamW step (two moments decoded and encoded per group) with 256."""
     return max(4, min(16, tile // per_warp))
+
+
+def libdevice_for(t: Any) -> bool:
+    """The LIBDEVICE constexpr of a kernel on tensor t: CUDA's math library where the kernel is
+    compiled for a GPU; the interpreter (TRITON_INTERPRET=1) has no libdevice."""
+    return bool(t.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:

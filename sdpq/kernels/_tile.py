@@ -18,6 +18,28 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def log2(x, LIBDEVICE: tl.constexpr):
+    """log2 as torch computes it on the device: CUDA's math library (libdevice) when compiled
+    for a GPU (tl.log2 is the approximate instruction), numpy's in the interpreter."""
+    if LIBDEVICE:
+        y = libdevice.log2(x)
+    else:
+        y = tl.log2(x)
+    return y
+
+
+@triton.jit
+def exp2(x, LIBDEVICE: tl.constexpr):
+    """exp2 as torch computes it on the device (see log2)."""
+    if LIBDEVICE:
+        y = libdevice.exp2(x)
+    else:
+        y = tl.exp2(x)
+    return y
 
 
 @triton.jit

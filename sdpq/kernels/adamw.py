@@ -6,9 +6,10 @@ fresh expansion metadata, then Grow the bf16 pair (w, lo) by -step_size m / (sqr
 - lr wd (w + lo). One read and one write of every state byte; the PyTorch path in
 ``sdpq.optim.adamw`` makes ~30 passes.
 
-The formulas are ``sdpq.quant.fp8`` and ``sdpq.quant.mcf`` step for step, but log2/exp2 come
-from the device's math library instead of torch's, so results agree with the reference within
-rounding (a code may land one E4M3 step away), not bitwise. fp32 -> E4M3 is encoded by hand
+The formulas are ``sdpq.quant.fp8`` and ``sdpq.quant.mcf`` step for step, with IEEE division and
+square root and, compiled for a GPU, log2/exp2 from CUDA's math library (the functions torch
+calls there). Results agree with the reference within rounding, not bitwise: torch's CUDA
+kernels may contract a multiply and an add, and the interpreter's log2/exp2 are numpy's. fp32 -> E4M3 is encoded by hand
 (round to nearest even on the fp32 bits): the interpreter has no fp8 and GPUs before sm_89
 have no conversion instruction.
 """
@@ -21,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, num_warps, program_index
-from ._tile import round_half_even, to_bf16_rne
+from ._launch import launch, libdevice_for, num_warps, program_index
+from ._tile import exp2, log2, round_half_even, to_bf16_rne
 
 __all__ = ["adamw_fp8_mcf_step"]
 
@@ -57,36 +58,39 @@ def _encode_e4m3(x):
 
 
 @triton.jit
-def _decode_group(codes_ptr, s_ptr, k_ptr, gm_ptr, table_ptr, offs, m, goffs, gmask):
+def _decode_group(codes_ptr, s_ptr, k_ptr, gm_ptr, table_ptr, offs, m, goffs, gmask, LIBDEVICE: tl.constexpr):
     """The fp32 values of one moment's groups (codes decoded through the group's s, k, gm)."""
     s = tl.load(s_ptr + goffs, mask=gmask, other=0.0)
     k = tl.load(k_ptr + goffs, mask=gmask, other=1.0)
     gm = tl.load(gm_ptr + goffs, mask=gmask, other=1.0)
     c = tl.load(table_ptr + tl.load(codes_ptr + offs, mask=m, other=0).to(tl.int32))
-    inv_k = 1.0 / k
-    bias = tl.where(tl.abs(s) < float("inf"), tl.log2(s) * inv_k + tl.log2(gm), float("nan"))
-    y = tl.exp2(tl.log2(tl.abs(c)) * inv_k[:, None] + bias[:, None])
+    inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)  # torch's reciprocal: IEEE
+    bias = tl.where(tl.abs(s) < float("inf"), log2(s, LIBDEVICE) * inv_k + log2(gm, LIBDEVICE), float("nan"))
+    y = exp2(log2(tl.abs(c), LIBDEVICE) * inv_k[:, None] + bias[:, None], LIBDEVICE)
     return tl.where(c < 0, -y, y)
 
 
 @triton.jit
 def _encode_group(
-    x, codes_ptr, s_ptr, k_ptr, gm_ptr, offs, m, goffs, gm_mask, FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr
-):
+    x, codes_ptr, s_ptr, k_ptr, gm_ptr, offs, m, goffs, gm_mask,
+    FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
     a = tl.abs(x)
     mx = tl.max(a, axis=1)
     bad = (tl.max((x != x).to(tl.int32), axis=1) > 0) | ~(mx < float("inf"))
     mn = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
     empty = (mx == 0) | bad
-    lmx = tl.log2(tl.where(empty, 1.0, mx))
-    lmn = tl.log2(tl.where(empty, 1.0, mn))
+    lmx = log2(tl.where(empty, 1.0, mx), LIBDEVICE)
+    lmn = log2(tl.where(empty, 1.0, mn), LIBDEVICE)
     log_r = lmx - lmn
-    k = tl.floor(16 * (2 * LOG2_FMAX - 1) / tl.where(log_r > 0, log_r, 1.0)) / 16
+    # torch's float / tensor is reciprocal(tensor) * float: the same two roundings here
+    inv_r = tl.math.div_rn(tl.full(log_r.shape, 1.0, tl.float32), tl.where(log_r > 0, log_r, 1.0))
+    k = tl.floor(inv_r * (16 * (2 * LOG2_FMAX - 1))) * 0.0625  # / 16, exact
     k = tl.minimum(tl.maximum(tl.where(log_r > 0, k, 1.0), 1.0 / 16), 65536.0)
-    gm = tl.exp2(0.5 * (lmx + lmn))
-    s = tl.exp2(k * (lmx - tl.log2(gm)) - LOG2_FMAX)
-    bias = tl.where(bad, float("nan"), -(k * tl.log2(gm) + tl.log2(s)))
-    mag = tl.minimum(tl.exp2(tl.log2(a) * k[:, None] + bias[:, None]), FMAX)
+    gm = exp2(0.5 * (lmx + lmn), LIBDEVICE)
+    s = exp2(k * (lmx - log2(gm, LIBDEVICE)) - LOG2_FMAX, LIBDEVICE)
+    bias = tl.where(bad, float("nan"), -(k * log2(gm, LIBDEVICE) + log2(s, LIBDEVICE)))
+    mag = tl.minimum(exp2(log2(a, LIBDEVICE) * k[:, None] + bias[:, None], LIBDEVICE), FMAX)
     sign = x.to(tl.int32, bitcast=True) < 0  # copysign, as the reference (-0.0 keeps its sign)
     code = _encode_e4m3(tl.where(sign, -mag, mag))
     tl.store(codes_ptr + offs, code.to(tl.uint8), mask=m)
@@ -123,6 +127,7 @@ def _adamw_kernel(
     GPB: tl.constexpr,
     FMAX: tl.constexpr,
     LOG2_FMAX: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     p = program_index()  # int64: row * n_cols may pass 2^31
     row = p // tiles_per_row
@@ -134,20 +139,21 @@ def _adamw_kernel(
     goffs = row * n_groups + grp
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     # First moment: decode, lerp (torch's formula for weights < 0.5), re-encode.
-    ma = _decode_group(mc_ptr, ms_ptr, mk_ptr, mg_ptr, table_ptr, offs, m, goffs, gmask)
+    ma = _decode_group(mc_ptr, ms_ptr, mk_ptr, mg_ptr, table_ptr, offs, m, goffs, gmask, LIBDEVICE)
     ma = ma + one_minus_b1 * (g - ma)
     ma = tl.where(m, ma, 0.0)
-    _encode_group(ma, mc_ptr, ms_ptr, mk_ptr, mg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX)
+    _encode_group(ma, mc_ptr, ms_ptr, mk_ptr, mg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX, LIBDEVICE)
     # Second moment.
-    va = _decode_group(vc_ptr, vs_ptr, vk_ptr, vg_ptr, table_ptr, offs, m, goffs, gmask)
+    va = _decode_group(vc_ptr, vs_ptr, vk_ptr, vg_ptr, table_ptr, offs, m, goffs, gmask, LIBDEVICE)
     va = va * b2 + one_minus_b2 * g * g  # addcmul's order: (value * g) * g
     va = tl.where(m, va, 0.0)
-    _encode_group(va, vc_ptr, vs_ptr, vk_ptr, vg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX)
+    _encode_group(va, vc_ptr, vs_ptr, vk_ptr, vg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX, LIBDEVICE)
     # MCF master: one Grow of (w, lo) by the decay and the Adam step together.
-    denom = tl.sqrt(va) / bc2_sqrt + eps
+    # IEEE sqrt and division, as torch (tl.sqrt and / may compile to approximations)
+    denom = tl.math.div_rn(tl.sqrt_rn(va), tl.full(va.shape, bc2_sqrt, tl.float32)) + eps
     h = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     lo = tl.load(lo_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    d = (ma / denom) * (-step_size) + (h + lo) * (-lr_wd)
+    d = tl.math.div_rn(ma, denom) * (-step_size) + (h + lo) * (-lr_wd)
     s = to_bf16_rne(h + d).to(tl.float32)
     lo1 = to_bf16_rne(lo + (d - (s - h))).to(tl.float32)
     hi_new = to_bf16_rne(s + lo1)
@@ -201,5 +207,6 @@ def adamw_fp8_mcf_step(
         GPB=gpb,
         FMAX=_E4M3_MAX,
         LOG2_FMAX=_LOG2_FMAX,
+        LIBDEVICE=libdevice_for(w),
         num_warps=num_warps(gpb * G, per_warp=256),
     )

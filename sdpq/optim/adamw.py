@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..config import ADAMW_HYPERPARAMETERS, OptimizerConfig, check_adamw_hyperparameters
 from ..kernels import uses_triton
-from ..quant import mcf
+from ..quant import mcf, true_div
 from . import checkpoint, guard, states
 from .layout import chunk_numel, chunks, fp8_groups_ok, local, rows
 from .native_args import KERNEL_DTYPES, NativeArgs
@@ -257,7 +257,7 @@ class AdamW(torch.optim.Optimizer):
                 v = states.read(st, "exp_avg_sq", fv, r, c, vf8, G)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 states.write(st, "exp_avg_sq", fv, v, r, c, vf8, G)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            denom = true_div(v.sqrt(), bias_correction2_sqrt).add_(eps)  # IEEE on every device
             w = P[r, c]
             if lo is not None:  # MCF master: one Grow with the decay and the Adam step together
                 d = torch.div(m, denom).mul_(-step_size)

@@ -1,6 +1,7 @@
 """Quantization math: pure tensor functions, no torch.distributed (layers above build on these)."""
 
 from . import mcf
+from ._div import true_div
 from .fp8 import FP8Quantized, dequantize_fp8, fp8_empty, quantize_fp8
 from .groupwise import Quantized, QuantSpec, dequantize, nonfinite_groups, quantize, relative_error
 from .hadamard import hadamard, inverse_hadamard
@@ -24,4 +25,5 @@ __all__ = [
     "dequantize_fp8",
     "fp8_empty",
     "mcf",
+    "true_div",
 ]

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._div import true_div
+
 __all__ = ["FP8Quantized", "fp8_empty", "quantize_fp8", "dequantize_fp8", "nonfinite_groups"]
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -162,7 +164,7 @@ def quantize_fp8(
         out.k.copy_(k.view(out.k.shape))
         out.gm.copy_(gm.view(out.gm.shape))
     else:
-        scale = mx / fmax
+        scale = true_div(mx, fmax)  # IEEE on every device (see true_div)
         inv = torch.where(bad, math.nan, torch.where(scale > 0, 1 / scale, 0.0))
         mag = a.mul_(inv.unsqueeze(-1))
     scale = torch.where(bad, math.nan, scale)

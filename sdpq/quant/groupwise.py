@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._div import true_div
+
 __all__ = ["QuantSpec", "Quantized", "quantize", "dequantize", "nonfinite_groups", "relative_error", "SCALE_DTYPES"]
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -110,7 +112,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
     g, G = spec.groups(n), spec.group_size
     xp = torch.nn.functional.pad(x.float(), (0, g * G - n)).view(*lead, g, G)
     # Round the scale to its wire dtype *before* dividing, so encoder and decoder agree.
-    scales = _wire_scales(xp.abs().amax(dim=-1) / spec.qmax, spec.scale_dtype)
+    amax = xp.abs().amax(dim=-1)
+    scales = _wire_scales(true_div(amax, spec.qmax), spec.scale_dtype)
     finite = torch.isfinite(scales)
     # Zero or non-finite scales divide by 1; their codes are forced to 0 below.
     safe = torch.where(finite & (scales > 0), scales, torch.ones_like(scales)).unsqueeze(-1)
