@@ -99,6 +99,8 @@ class Source:
     def command(self) -> str:
         """The program with the arguments the file records: a raw argv list, or argparse's values."""
         data = self.data if isinstance(self.data, dict) else {}
+        if isinstance(data.get("meta"), dict):  # files that keep their arguments with the provenance
+            data = {**data["meta"], **data}
         if isinstance(data.get("argv"), list):
             argv, shown, skip = data["argv"], [], False
             for a in argv:
@@ -112,6 +114,8 @@ class Source:
         if isinstance(data.get("args"), dict):
             parts = [self.program]
             for k, v in data["args"].items():
+                if isinstance(v, list):
+                    v = " ".join(map(str, v))
                 if k in _UNSHOWN_ARGS or v is False or v is None:
                     continue
                 flag = "--" + k.replace("_", "-")
@@ -333,16 +337,51 @@ def _unrecorded_rows() -> list[Row]:
             NOT_RECORDED,
         ),
         Row(
-            "gpu",
-            "GPU (CUDA kernels, NCCL) and real multi-node training",
+            "nccl",
+            "NCCL, real links and multi-node training on GPUs",
             "not yet measured",
             "not yet measured",
             "not yet measured",
             "none",
-            "`./run gpu-check` (see GPU)",
+            "none yet (the GPU check runs its ranks over gloo)",
             NOT_RECORDED,
             NOT_RECORDED,
             NOT_RECORDED,
+        ),
+    ]
+
+
+def _gpu_rows(src: Source) -> list[Row]:
+    """The GPU check on one GPU: sdpq's loss against the same run unquantized on the same device,
+    and the codec kernels' bandwidth against a device copy of the same bytes."""
+    steps = {s["name"]: s for s in src.data["steps"]}
+    if not src.data.get("passed"):
+        raise SystemExit(f"benchmarks/results_page.py: {src.name} records a failing GPU check")
+    device = steps["env"]["figures"]["device"]
+    losses = steps["train_fsdp"]["figures"]["losses"]
+    tail = 10
+
+    def mean_tail(arm: str) -> float:
+        return statistics.fmean(losses[arm][-tail:])
+
+    sdpq, exact = mean_tail("sdpq_device"), mean_tail("exact_device")
+    kernels = steps["throughput"]["figures"]
+    names = list(kernels)
+    return [
+        src.row(
+            "gpu-loss-fsdp2",
+            f"training loss on one {device}, FSDP2 + sdpq vs the same run unquantized, mean of the last "
+            f"{tail} of {len(losses['sdpq_device'])} steps (demo GPT, 4 ranks as 2 nodes x 2 sharing the GPU over gloo)",
+            f"{sdpq:.4f}",
+            f"{exact:.4f}",
+            f"{sdpq / exact:.4f}",
+        ),
+        src.row(
+            "gpu-kernels-vs-copy",
+            f"codec kernels' bandwidth on one {device} vs a device copy of the same bytes ({', '.join(names)})",
+            " / ".join(f"{kernels[k]['kernel_gb_s']:.0f}" for k in names) + " GB/s",
+            " / ".join(f"{kernels[k]['copy_gb_s']:.0f}" for k in names) + " GB/s",
+            " / ".join(f"{kernels[k]['of_copy']:.2f}" for k in names),
         ),
     ]
 
@@ -354,11 +393,13 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     hsdp = load(results_dir, "hsdp_layouts.json", "benchmarks/hsdp_layouts.py")
     emulated = load(results_dir, "emulated_scaling_small_batch.json", "benchmarks/emulated_scaling.py")
     long = load(results_dir, "convergence_long.json", "benchmarks/convergence_long.py")
+    gpu = load(results_dir, "gpu_check_h200.json", "./run gpu-check")
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
         ([demo], _demo_rows),
         (zeropp, _zeropp_rows),
         ([hsdp], _hsdp_rows),
         ([emulated], _emulated_rows),
+        ([gpu], _gpu_rows),
     ]
     out: list[Row] = []
     for srcs, build in builders:

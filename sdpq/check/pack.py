@@ -10,6 +10,7 @@ the few packages it needs that the machine's image does not hold (pydantic and h
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["add_arguments", "main", "device_command", "CARRY_DIR"]
+__all__ = ["add_arguments", "main", "device_command", "git_commit", "CARRY_DIR"]
 
 CARRY_DIR = ".carry"
 # Needed by DeepSpeed and absent from the GPU image (its package list has the rest: einops,
@@ -31,6 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dest", default=CARRY_DIR, help="folder to fill (git-ignored)")
     p.add_argument("--python-version", default="3.12", help="the GPU machine's Python (binary wheels are per version)")
     p.add_argument("--no-deepspeed", action="store_true", help="carry nothing for the ZeRO-3 step")
+
+
+def git_commit(root: Path) -> str | None:
+    """The checkout's short HEAD, "+local changes" when tracked files differ; None without git."""
+    try:
+        run = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True, check=True, timeout=20)
+        head = run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+local changes" if dirty else head
 
 
 def _installed_version(name: str) -> str:
@@ -89,7 +101,9 @@ def main(args: argparse.Namespace) -> int:
         pins["deepspeed"] = ds
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     (dest / "manifest.json").write_text(
-        json.dumps({"python": args.python_version, "pins": pins, "bytes": size}, indent=1)
+        json.dumps(
+            {"python": args.python_version, "pins": pins, "bytes": size, "commit": git_commit(Path.cwd())}, indent=1
+        )
     )
     print(f"\npacked {dest}/ ({size / 2**20:.1f} MiB): {', '.join(sorted(p.name for p in wheels.iterdir()))}")
     print("\nOn the GPU machine (device tool `run`), from the repository root:")

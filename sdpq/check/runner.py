@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import pack
 from .report import passed, write_report
 from .steps import STEPS
 
@@ -93,6 +94,7 @@ def _run_step(name: str, rehearse: bool, limit_s: float) -> dict:
 def run(args: argparse.Namespace) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    given = {"rehearse": bool(args.rehearse), "budget_s": args.budget_s, "only": args.only}  # as typed
     if args.budget_s is None:
         args.budget_s = REHEARSAL_BUDGET_S if args.rehearse else GPU_BUDGET_S
     start = time.perf_counter()
@@ -119,10 +121,31 @@ def run(args: argparse.Namespace) -> list[dict]:
         "cpu": _cpu_model(),
         "python": sys.version.split()[0],
         "started_unix": int(time.time() - (time.perf_counter() - start)),
+        **_provenance(records),
+        "args": given,
     }
     paths = write_report(out, meta, records)
     print(f"[sdpq check] report: {', '.join(str(p) for p in paths)}", flush=True)
     return records
+
+
+def _provenance(records: list[dict]) -> dict:
+    """date (UTC), commit and machine for benchmarks/results_page.py. The GPU machine gets a
+    copy of the tree without .git: the commit is then the one `sdpq check pack` recorded."""
+    commit = pack.git_commit(Path.cwd())
+    if commit is None:
+        try:
+            packed = json.loads((Path(pack.CARRY_DIR) / "manifest.json").read_text()).get("commit")
+        except (OSError, ValueError):
+            packed = None
+        commit = f"{packed} (as packed)" if packed else None
+    env = next((r for r in records if r["name"] == "env"), {})
+    device = env.get("figures", {}).get("device")
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "machine": f"{device}, host {_cpu_model()}" if device else _cpu_model(),
+    }
 
 
 def _cpu_model() -> str:
