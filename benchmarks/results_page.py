@@ -371,7 +371,8 @@ def _gpu_rows(src: Source) -> list[Row]:
         src.row(
             "gpu-loss-fsdp2",
             f"training loss on one {device}, FSDP2 + sdpq vs the same run unquantized, mean of the last "
-            f"{tail} of {len(losses['sdpq_device'])} steps (demo GPT, 4 ranks as 2 nodes x 2 sharing the GPU over gloo)",
+            f"{tail} of {len(losses['sdpq_device'])} steps "
+            "(demo GPT, 4 ranks as 2 nodes x 2 sharing the GPU over gloo)",
             f"{sdpq:.4f}",
             f"{exact:.4f}",
             f"{sdpq / exact:.4f}",
