@@ -139,12 +139,14 @@ ScaleFormat = Literal["fp32", "bf16"]
 class WeightsConfig(_Section):
     """Weight all-gather (forward/backward parameter gathers).
 
-    mode: "diff" sends 4-bit differences against a node-resident reference once per weight
+    mode: "diff" sends 2-8-bit differences against a node-resident reference once per weight
         version and gathers the reference inside the node (SDP4Bit qWD + ZeRO++ hpZ);
         "direct" quantizes the weights themselves on every gather (ZeRO++ qwZ, stateless);
         "exact" is the plain all-gather (baseline).
-    bits: code width of the quantized payload. diff: 4 or 8; direct: 8 only (4-bit direct
-        weights cost SDP4Bit 2.573 vs 2.294 validation loss on GPT-125M).
+    bits: code width of the quantized payload. diff: 2, 3, 4 or 8 (symmetric codes in
+        [-(2^(bits-1) - 1), 2^(bits-1) - 1]: 2 bits is -1, 0, 1; the reference carries each
+        difference's error into the next); direct: 8 only (4-bit direct weights cost SDP4Bit
+        2.573 vs 2.294 validation loss on GPT-125M).
     group_size: elements per absmax scale; 2048 gives 4 + 32/2048 = 4.016 bits per element
         (a power of two, 32 to 4096: the GPU kernels hold a group in one tile).
     rounding: "nearest" (weights: errors are fed back by the reference) or "stochastic".
@@ -166,7 +168,7 @@ class WeightsConfig(_Section):
     verify_every: int = 100
 
     def _validate(self, path: str) -> None:
-        _check_choice(f"{path}.bits", self.bits, (4, 8))
+        _check_choice(f"{path}.bits", self.bits, (2, 3, 4, 8))
         if self.mode == "direct" and self.bits != 8:
             _fail(f"{path}.bits", self.bits, "8 when mode is 'direct' (4-bit direct weights hurt the loss)")
         _check_power_of_two(f"{path}.group_size", self.group_size, 32, TILE_MAX, _TILE_WHY)
@@ -180,7 +182,8 @@ class GradientsConfig(_Section):
 
     mode: "two_level" = 8-bit intra-node all-to-all, then 4-bit inter-node all-to-all
         (SDP4Bit TLq); "exact" = the plain reduce-scatter (baseline).
-    intra_bits / inter_bits: code widths of the two stages (4 or 8 each).
+    intra_bits / inter_bits: code widths of the two stages: intra 4 or 8; inter 2, 3, 4 or 8
+        (below 4 bits pair it with error_feedback, which covers the inter-node stage only).
     intra_group_size / inter_group_size: elements per scale of each stage (SDP4Bit: 128;
         their inter-node flag is silently ignored; ours is honoured); a power of two, 32 to 4096.
     hadamard: randomized blockwise Walsh-Hadamard smoothing before quantization, inverted
@@ -193,7 +196,7 @@ class GradientsConfig(_Section):
     scale_dtype: wire scale format: "fp32" (32 bits per group) or "bf16" (16 bits, rounded up;
         same range as fp32, so no finite group is lost). "fp16" is refused: it loses groups of
         small or large values.
-    error_feedback: keep the 4-bit stage's residual and add it before the next quantization.
+    error_feedback: keep the inter-node stage's residual and add it before the next quantization.
     pipeline_chunks: slices whose inter-node stage overlaps the next slice's intra-node stage.
     seed: shared seed of the Hadamard signs and stochastic rounding streams.
     """
@@ -213,7 +216,7 @@ class GradientsConfig(_Section):
 
     def _validate(self, path: str) -> None:
         _check_choice(f"{path}.intra_bits", self.intra_bits, (4, 8))
-        _check_choice(f"{path}.inter_bits", self.inter_bits, (4, 8))
+        _check_choice(f"{path}.inter_bits", self.inter_bits, (2, 3, 4, 8))
         for key in ("intra_group_size", "inter_group_size"):
             _check_power_of_two(f"{path}.{key}", getattr(self, key), 32, TILE_MAX, _TILE_WHY)
         _check_power_of_two(f"{path}.hadamard_block", self.hadamard_block, 2, TILE_MAX, _TILE_WHY)

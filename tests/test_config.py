@@ -51,7 +51,9 @@ def test_wrong_type_names_path_and_value(d, path, shown):
 @pytest.mark.parametrize(
     "d,path,allowed",
     [
-        ({"weights": {"bits": 3}}, "sdpq.weights.bits", "allowed: 4, 8"),
+        ({"weights": {"bits": 5}}, "sdpq.weights.bits", "allowed: 2, 3, 4, 8"),
+        ({"gradients": {"inter_bits": 1}}, "sdpq.gradients.inter_bits", "allowed: 2, 3, 4, 8"),
+        ({"gradients": {"intra_bits": 2}}, "sdpq.gradients.intra_bits", "allowed: 4, 8"),
         ({"weights": {"group_size": 1000}}, "sdpq.weights.group_size", "power of two"),
         # The GPU kernels hold a group / Hadamard block in one tile of at most 4096 (TILE_MAX).
         ({"weights": {"group_size": 8192}}, "sdpq.weights.group_size", "a power of two in [32, 4096] (the GPU"),
@@ -75,7 +77,7 @@ def test_out_of_range_names_path_value_and_allowed(d, path, allowed):
 @settings(deadline=None, max_examples=50)
 @given(
     mode=st.sampled_from(["diff", "exact"]),
-    wbits=st.sampled_from([4, 8]),
+    wbits=st.sampled_from([2, 3, 4, 8]),
     group=st.sampled_from([128, 2048]),
     had=st.booleans(),
     chunks=st.integers(1, 8),

@@ -128,7 +128,7 @@ struct RowSum {
             r[j] = into<m.value>(r[j], decode_vector(row + e * bits.value / 8, bits.value, scale), ve);
           }
         };
-        sp.bits == 8 ? decode(std::integral_constant<int, 8>{}) : decode(std::integral_constant<int, 4>{});
+        with_bits(sp.bits, decode);
       });
     }
     if (R == 1) {
@@ -159,7 +159,7 @@ struct RowSum {
     auto rows = [&](auto bits) __attribute__((always_inline)) {
       own_row == 0 ? sum(bits, T{}, F{}) : own_row == 1 ? sum(bits, F{}, T{}) : sum(bits, F{}, F{});
     };
-    sp.bits == 8 ? rows(std::integral_constant<int, 8>{}) : rows(std::integral_constant<int, 4>{});
+    with_bits(sp.bits, rows);
   }
 };
 

@@ -1,5 +1,9 @@
-// Groupwise absmax quantization of fp32 tiles to 4/8-bit codes and back, as
+// Groupwise absmax quantization of fp32 tiles to 2/3/4/8-bit codes and back, as
 // sdpq/quant/groupwise.py and wire.py, operation for operation.
+//
+// Note: codes are a little-endian bit stream, element e in bits [e * bits, (e + 1) * bits) of a
+// row's code region (two's complement). 8 elements always fill exactly `bits` bytes, so every
+// 8-element vector starts on a byte: at 3 bits, 8 codes are one 24-bit word in 3 bytes.
 #pragma once
 
 #include "hadamard.h"
@@ -18,8 +22,9 @@ struct Spec {
   Spec(int64_t bits_, int64_t G_, bool stochastic_, bool bf16_)
       : bits(bits_), G(G_), qmax((int64_t{1} << (bits_ - 1)) - 1), scale_size(bf16_ ? 2 : 4),
         stochastic(stochastic_), bf16(bf16_), g_shift((G_ & (G_ - 1)) == 0 ? __builtin_ctzll(G_) : -1) {
-    TORCH_CHECK(bits == 4 || bits == 8, "codec: bits=", bits, "; allowed: 4, 8");
-    TORCH_CHECK(G >= 2 && G % 2 == 0, "codec: group_size=", G, "; allowed: an even integer >= 2");
+    TORCH_CHECK(bits == 2 || bits == 3 || bits == 4 || bits == 8, "codec: bits=", bits, "; allowed: 2, 3, 4, 8");
+    TORCH_CHECK(G >= 2 && G % 2 == 0 && (bits >= 4 || G % 8 == 0), "codec: group_size=", G,
+                "; allowed: an even integer >= 2 (a multiple of 8 at 2 or 3 bits)");
   }
   // The group of element e. Note: a 64-bit division costs ~40 cycles on the CPUs measured (it
   // was 40% of the reduce kernels' decode), a shift one; group sizes are powers of two in practice.
@@ -107,7 +112,11 @@ SDPQ_INLINE i8 quantize_vector(f8 x, f8 scale, float qmax, uint32_t seed, uint64
 // endian); byte shuffles pick them (a converting cast would be split into scalar moves by GCC).
 template <int bits>
 SDPQ_INLINE void pack_codes(i8 c, uint8_t* codes) {
-  if (bits == 8) {
+  if (bits == 2 || bits == 3) {  // fields shifted into one 32-bit word (8 x 3 = 24 bits at most)
+    const u8 f = ((u8)c & ((1u << bits) - 1)) << (u8){0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits};
+    const uint32_t w = f[0] | f[1] | f[2] | f[3] | f[4] | f[5] | f[6] | f[7];
+    std::memcpy(codes, &w, bits);  // little endian: the low `bits` bytes
+  } else if (bits == 8) {
     const b32 bytes = (b32)c;
     const b8 packed = __builtin_shufflevector(bytes, bytes, 0, 4, 8, 12, 16, 20, 24, 28);
     std::memcpy(codes, &packed, 8);
@@ -123,6 +132,11 @@ SDPQ_INLINE void pack_codes(i8 c, uint8_t* codes) {
 // saturating packs narrow two vectors at once (7 instructions for 16 codes instead of 18).
 template <int bits>
 SDPQ_INLINE void pack_codes2(i8 a, i8 b, uint8_t* codes) {
+  if (bits == 2 || bits == 3) {
+    pack_codes<bits>(a, codes);
+    pack_codes<bits>(b, codes + bits);
+    return;
+  }
 #ifdef __AVX2__
   const __m256i w = _mm256_packs_epi32((__m256i)a, (__m256i)b);  // per 128-bit half: a0-3 b0-3 | a4-7 b4-7
   const __m256i s8 = _mm256_packs_epi16(w, w);                    // dwords: a0-3 b0-3 a0-3 b0-3 | a4-7 b4-7 ..
@@ -159,17 +173,46 @@ SDPQ_INLINE void encode_vectors(N n, Load&& load, f8 scale, float qmax, uint32_t
   if (k < n) encode_vector<bits, stochastic>(load(k), scale, qmax, seed, pos0 + 8 * k, codes + k * bits);
 }
 
+// f(bits) with the code width as a compile-time constant.
+template <typename F>
+SDPQ_INLINE void with_bits(int64_t bits, F&& f) {
+  switch (bits) {
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // f(bits, stochastic) with both as compile-time constants (the encoding loops are
 // specialized: no per-vector branches on the format).
 template <typename F>
 SDPQ_INLINE void with_format(const Spec& sp, F&& f) {
-  using B4 = std::integral_constant<int, 4>;
-  using B8 = std::integral_constant<int, 8>;
-  if (sp.bits == 8) {
-    sp.stochastic ? f(B8{}, std::true_type{}) : f(B8{}, std::false_type{});
-  } else {
-    sp.stochastic ? f(B4{}, std::true_type{}) : f(B4{}, std::false_type{});
+  with_bits(sp.bits, [&](auto bits) __attribute__((always_inline)) {
+    sp.stochastic ? f(bits, std::true_type{}) : f(bits, std::false_type{});
+  });
+}
+
+// The code of element e of a code region, and its setting (the region zeroed first): a field
+// may straddle two bytes at 3 bits.
+SDPQ_INLINE int8_t get_code(const uint8_t* codes, int64_t e, int64_t bits) {
+  if (bits == 8) return static_cast<int8_t>(codes[e]);
+  const int64_t bit = e * bits, byte = bit >> 3, shift = bit & 7;
+  uint32_t w = codes[byte];
+  if (shift + bits > 8) w |= static_cast<uint32_t>(codes[byte + 1]) << 8;
+  const int32_t field = static_cast<int32_t>((w >> shift) << (32 - bits));
+  return static_cast<int8_t>(field >> (32 - bits));  // sign-extended
+}
+
+SDPQ_INLINE void set_code(uint8_t* codes, int64_t e, int64_t bits, int32_t q) {
+  if (bits == 8) {
+    codes[e] = static_cast<uint8_t>(q);
+    return;
   }
+  const int64_t bit = e * bits, byte = bit >> 3, shift = bit & 7;
+  const uint32_t w = (static_cast<uint32_t>(q) & ((1u << bits) - 1)) << shift;
+  codes[byte] |= static_cast<uint8_t>(w);
+  if (shift + bits > 8) codes[byte + 1] |= static_cast<uint8_t>(w >> 8);
 }
 
 // A group's scale from its absmax: fp32(amax / qmax), rounded to the wire dtype; NaN when the
@@ -246,12 +289,7 @@ inline bool quantize_group(const float* v, int64_t len, const Spec& sp, uint8_t*
     for (int64_t k = 0; k < len; ++k) {
       const float y = v[k] / gs.safe;
       const float r = sp.stochastic ? std::floor(y + uniform01(seed, pos0 + k)) : std::nearbyint(y);
-      const auto q = static_cast<uint8_t>(static_cast<int32_t>(std::min(std::max(r, -qmax), qmax)));
-      if (sp.bits == 8) {
-        codes[k] = q;
-      } else {
-        codes[k / 2] |= static_cast<uint8_t>(k % 2 == 0 ? (q & 0x0F) : (q << 4));
-      }
+      set_code(codes, k, sp.bits, static_cast<int32_t>(std::min(std::max(r, -qmax), qmax)));
     }
   }
   gs.write(sp, scale_dst);
@@ -271,6 +309,12 @@ SDPQ_INLINE f8 decode_vector(const uint8_t* codes, int64_t bits, f8 scale) {
     std::memcpy(&b, codes, 8);
     c = __builtin_convertvector(b, i8);
 #endif
+  } else if (bits == 2 || bits == 3) {  // the `bits` bytes as one word, each lane's field to the top
+    uint32_t w = 0;
+    std::memcpy(&w, codes, bits);
+    const uint32_t b = static_cast<uint32_t>(bits);
+    const u8 up = (u8){32 - b, 32 - 2 * b, 32 - 3 * b, 32 - 4 * b, 32 - 5 * b, 32 - 6 * b, 32 - 7 * b, 32 - 8 * b};
+    c = (i8)((u8{} + w) << up) >> static_cast<int32_t>(32 - b);  // lane j: field j at the top, then down
   } else {  // each byte in two lanes, then the lane's nibble moved to the top and sign-extended down
     uint32_t w;
     std::memcpy(&w, codes, 4);
@@ -314,14 +358,7 @@ inline void dequantize_span(const uint8_t* row, int64_t cb, const Spec& sp, int6
         storeu(d + j, into<kMode>(loadu(d + j), decode_vector(row + (pos + j) * sp.bits / 8, sp.bits, vs), ve));
     }
     for (; j < run; ++j) {
-      const int64_t e = pos + j;
-      int8_t code;
-      if (sp.bits == 8) {
-        code = static_cast<int8_t>(row[e]);
-      } else {
-        const int8_t b = static_cast<int8_t>(row[e / 2]);
-        code = (e % 2 == 0) ? static_cast<int8_t>(b << 4) >> 4 : b >> 4;
-      }
+      const int8_t code = get_code(row, pos + j, sp.bits);
       d[j] = into<kMode>(d[j], static_cast<float>(code) * s, extra);
     }
     i += run;

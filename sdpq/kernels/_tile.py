@@ -90,21 +90,38 @@ def quantize_tile(v, s, finite, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.c
 
 @triton.jit
 def store_codes(row_ptr, codes, groups, G: tl.constexpr, BITS: tl.constexpr, mask):
-    """int32 codes [M, G] of groups `groups` [M] -> packed bytes at row_ptr (two's complement)."""
-    if BITS == 4:
+    """int32 codes [M, G] of groups `groups` [M] -> packed bytes at row_ptr (two's complement;
+    below 4 bits each 8 codes are one little-endian word of BITS bytes, as sdpq.quant.wire)."""
+    if BITS < 4:
+        M: tl.constexpr = codes.shape[0]
+        fields = tl.reshape(codes & ((1 << BITS) - 1), [M, G // 8, 8]) << (tl.arange(0, 8) * BITS)[None, None, :]
+        word = tl.sum(fields, axis=2)  # the fields do not overlap: the sum is their OR
+        base = groups[:, None] * (G * BITS // 8) + tl.arange(0, G // 8)[None, :] * BITS
+        for b in tl.static_range(BITS):
+            tl.store(row_ptr + base + b, ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=mask[:, None])
+    elif BITS == 4:
         lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], G // 2, 2]))
         byte = (lo & 0x0F) | ((hi & 0x0F) << 4)
         col = groups[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+        tl.store(row_ptr + col, byte.to(tl.uint8), mask=mask[:, None])
     else:
-        byte = codes & 0xFF
         col = groups[:, None] * G + tl.arange(0, G)[None, :]
-    tl.store(row_ptr + col, byte.to(tl.uint8), mask=mask[:, None])
+        tl.store(row_ptr + col, (codes & 0xFF).to(tl.uint8), mask=mask[:, None])
 
 
 @triton.jit
 def load_codes(row_ptr, groups, G: tl.constexpr, BITS: tl.constexpr, mask):
     """Packed bytes -> fp32 codes [M, G] (sign-extended)."""
-    if BITS == 4:
+    if BITS < 4:
+        M: tl.constexpr = groups.shape[0]
+        base = groups[:, None] * (G * BITS // 8) + tl.arange(0, G // 8)[None, :] * BITS
+        word = tl.zeros([M, G // 8], tl.int32)
+        for b in tl.static_range(BITS):
+            word |= tl.load(row_ptr + base + b, mask=mask[:, None], other=0).to(tl.int32) << (8 * b)
+        fields = (word[:, :, None] >> (tl.arange(0, 8) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        sign: tl.constexpr = 1 << (BITS - 1)
+        c = tl.reshape((fields ^ sign) - sign, [M, G])
+    elif BITS == 4:
         col = groups[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
         b = tl.load(row_ptr + col, mask=mask[:, None], other=0).to(tl.int32)
         lo = ((b & 0x0F) ^ 8) - 8

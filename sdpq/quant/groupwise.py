@@ -28,8 +28,19 @@ import torch
 
 from ._div import true_div
 
-__all__ = ["QuantSpec", "Quantized", "quantize", "dequantize", "nonfinite_groups", "relative_error", "SCALE_DTYPES"]
+__all__ = [
+    "BITS",
+    "QuantSpec",
+    "Quantized",
+    "quantize",
+    "dequantize",
+    "nonfinite_groups",
+    "relative_error",
+    "SCALE_DTYPES",
+]
 
+# Code widths: symmetric integers in [-qmax, qmax], qmax = 2^(bits - 1) - 1 (2 bits: -1, 0, 1).
+BITS = (2, 3, 4, 8)
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # The wire scale formats by their configuration names.
 SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -45,10 +56,14 @@ class QuantSpec:
     scale_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"QuantSpec.bits: {self.bits!r} not allowed; allowed: 4, 8")
-        if not isinstance(self.group_size, int) or self.group_size < 2 or self.group_size % 2:
-            raise ValueError(f"QuantSpec.group_size: {self.group_size!r}; allowed: an even integer >= 2")
+        if self.bits not in BITS:
+            raise ValueError(f"QuantSpec.bits: {self.bits!r} not allowed; allowed: {', '.join(map(str, BITS))}")
+        G = self.group_size
+        if not isinstance(G, int) or G < 2 or G % 2 or (self.bits < 4 and G % 8):
+            raise ValueError(
+                f"QuantSpec.group_size: {G!r}; allowed: an even integer >= 2 (a multiple of 8 at 2 or 3 bits: "
+                "8 codes fill whole bytes)"
+            )
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"QuantSpec.rounding: {self.rounding!r}; allowed: 'nearest', 'stochastic'")
         if self.scale_dtype not in SCALE_DTYPES.values():

@@ -4,13 +4,17 @@ Layout of a row of ``numel`` values (``spec.wire_bytes(numel)`` bytes):
 
     [ codes: groups*G*bits/8 bytes | scales: groups * itemsize(scale_dtype) bytes ]
 
-4-bit codes are two's-complement nibbles, element 2i in the low nibble of byte i. Sending codes
+Codes below 8 bits are a little-endian bit stream of two's-complement fields: element e in bits
+[e * bits, (e + 1) * bits) of the code region. 4-bit: element 2i in the low nibble of byte i;
+2-bit: four per byte; 3-bit: each 8 elements are one 24-bit little-endian word in 3 bytes. Sending codes
 and scales in ONE buffer halves the number of collectives (SDP4Bit sends two). Rows of a 2-D
 buffer are independent, so ``all_to_all_single`` can split the buffer by rows. The buffer is
 plain uint8, which every backend (gloo included) can move.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -22,9 +26,8 @@ __all__ = ["pack", "unpack", "encode", "decode"]
 def pack(q: Quantized, spec: QuantSpec) -> torch.Tensor:
     """``Quantized`` -> uint8 [..., spec.wire_bytes(q.numel)]."""
     codes = q.codes.view(torch.uint8)  # two's complement bytes
-    if spec.bits == 4:
-        pairs = codes.view(*codes.shape[:-1], -1, 2) & 0x0F
-        codes = pairs[..., 0] | (pairs[..., 1] << 4)
+    if spec.bits < 8:
+        codes = _pack_fields(codes, spec.bits)
     # One NaN bit pattern on the wire, whatever NaN the input held (the kernels write the same).
     scales = torch.where(q.scales.isnan(), float("nan"), q.scales)
     if spec.scale_dtype == torch.bfloat16:
@@ -45,19 +48,43 @@ def unpack(buf: torch.Tensor, spec: QuantSpec, numel: int) -> Quantized:
         )
     cb = spec.code_bytes(numel)
     codes = buf[..., :cb]
-    if spec.bits == 4:
-        # Sign-extend each nibble: (n ^ 8) - 8 maps 0..15 to 0..7, -8..-1.
-        lo = ((codes & 0x0F).to(torch.int16) ^ 8) - 8
-        hi = ((codes >> 4).to(torch.int16) ^ 8) - 8
-        codes = torch.stack((lo, hi), dim=-1).flatten(-2).to(torch.int8)
-    else:
-        codes = codes.contiguous().view(torch.int8)
+    codes = _unpack_fields(codes, spec.bits) if spec.bits < 8 else codes.contiguous().view(torch.int8)
     # Copy into a fresh buffer: a row's scales may start at an odd byte offset and stride,
     # and view() as a wider dtype needs both aligned. Scales are ~1/32 of the bytes.
     raw = buf[..., cb:]
     scales = torch.empty(raw.shape, dtype=torch.uint8, device=buf.device).copy_(raw)
     scales = scales.view(spec.scale_dtype).float()
     return Quantized(codes=codes, scales=scales, numel=numel)
+
+
+def _word(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the smallest whole-byte word: 4 bits (2, 1), 2 bits (4, 1), 3 bits (8, 3)."""
+    n = 8 // math.gcd(8, bits)
+    return n, n * bits // 8
+
+
+def _pack_fields(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 two's-complement codes [..., k] -> the bit stream [..., k * bits / 8]."""
+    k, (n, nb) = codes.shape[-1], _word(bits)
+    fields = (codes.view(*codes.shape[:-1], k // n, n) & ((1 << bits) - 1)).to(torch.int32)
+    shifts = torch.arange(n, device=codes.device, dtype=torch.int32) * bits
+    word = (fields << shifts).sum(-1)  # the fields do not overlap: the sum is their OR
+    out = torch.stack([(word >> (8 * b)) & 0xFF for b in range(nb)], dim=-1).to(torch.uint8)
+    return out.reshape(*codes.shape[:-1], k * bits // 8)
+
+
+def _unpack_fields(stream: torch.Tensor, bits: int) -> torch.Tensor:
+    """The bit stream [..., m] -> int8 codes [..., m * 8 / bits], sign-extended."""
+    m, (n, nb) = stream.shape[-1], _word(bits)
+    chunks = stream.reshape(*stream.shape[:-1], m // nb, nb).to(torch.int32)
+    word = chunks[..., 0]
+    for b in range(1, nb):
+        word = word | (chunks[..., b] << (8 * b))
+    shifts = torch.arange(n, device=stream.device, dtype=torch.int32) * bits
+    fields = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    sign = 1 << (bits - 1)
+    codes = (fields ^ sign) - sign  # (f ^ s) - s maps [0, 2^bits) to [-s, s)
+    return codes.to(torch.int8).reshape(*stream.shape[:-1], m * 8 // bits)
 
 
 def encode(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -33,14 +33,18 @@ def _rs_case(ctx, numel, cfg_kwargs, kind, seed):
     [
         {},  # defaults: stochastic rounding, Hadamard, group 128, 8-bit intra / 4-bit inter
         {"rounding": "nearest", "hadamard": False, "pipeline_chunks": 2},
+        {"inter_bits": 3},
+        {"inter_bits": 2, "error_feedback": True, "rounding": "nearest"},
     ],
-    ids=["default", "nearest-noH-pipe2"],
+    ids=["default", "nearest-noH-pipe2", "inter3", "inter2-ef-nearest"],
 )
 def test_matches_fp64_sum_within_bound(dist, nodes, rpn, cfg):
     res = dist.run(_rs_case, nodes * rpn, rpn, 4096 * nodes * rpn, cfg, "normal", 1)
+    # the inter-node stage's width sets the error (4-bit stochastic: ~0.1-0.15)
+    rel_max = {4: 0.2, 3: 0.45, 2: 0.9}[cfg.get("inter_bits", 4)] if nodes > 1 else 0.02
     for r in res:
         assert r["ratio"] <= 1.0, r["ratio"]
-        assert r["rel"] < (0.2 if nodes > 1 else 0.02), r["rel"]  # 4-bit stochastic: ~0.1-0.15
+        assert r["rel"] < rel_max, r["rel"]
     print(
         f"layout {nodes}x{rpn} {cfg or 'default'}: rel err max "
         f"{max(r['rel'] for r in res):.4g}, max err/bound {max(r['ratio'] for r in res):.3f}"

@@ -95,6 +95,17 @@ def _cases():
         "reduce 4-bit G4096 re-encode G4096",
         lambda: codec.reduce_rows(buf, big4, 8192, own, 0, bad, encode_spec=big4, encode_rows_n=4096, own_seg=0),
     )
+    for bits in (2, 3):  # below four bits: the widest tile, encode with a reference, decode, reduce
+        low = QuantSpec(bits, 4096)
+        low_buf = torch.zeros(2, low.wire_bytes(8192), dtype=torch.uint8)
+        yield (
+            f"encode {bits}-bit G4096 ref (weights)",
+            lambda low=low: codec.encode_rows(torch.randn(2, 8192), low, ref=torch.randn(2, 8192)),
+        )
+        yield (
+            f"reduce {bits}-bit G4096 inverse H4096",
+            lambda low=low, b=low_buf: codec.reduce_rows(b, low, 8192, own, 0, bad, hadamard=(4096, ones(4096))),
+        )
 
     def step(rows, cols, G):
         groups = -(-cols // G)

@@ -43,6 +43,10 @@ SPECS = [
     QuantSpec(4, 128, scale_dtype=torch.bfloat16),
     QuantSpec(8, 128, scale_dtype=torch.bfloat16),
     QuantSpec(4, 2048),
+    QuantSpec(2, 2048),
+    QuantSpec(3, 128),
+    QuantSpec(3, 32, scale_dtype=torch.bfloat16),
+    QuantSpec(2, 8),
 ]
 
 
@@ -101,7 +105,7 @@ def test_nonfinite_groups_match_reference():
     assert got[0, :32].isnan().all() and got[1, 192:224].isnan().all() and got[0, 32:].isfinite().all()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_stochastic_within_one_step_and_unbiased(bits):
     spec = QuantSpec(bits, 64, rounding="stochastic")
     x = torch.randn(1, 256, device=DEV)
@@ -124,8 +128,9 @@ def _wire_rows(R, numel, spec, seed):
 
 @pytest.mark.parametrize("R", [2, 4])
 @pytest.mark.parametrize("block", [None, 128])
-def test_reduce_inverse_hadamard_bitwise(R, block):
-    spec, numel = QuantSpec(4, 128), 1024
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_reduce_inverse_hadamard_bitwise(R, block, bits):
+    spec, numel = QuantSpec(bits, 128), 1024
     buf = _wire_rows(R, numel, spec, R)
     own = torch.randn(numel, device=DEV)
     had = (block, 3) if block else None
@@ -138,9 +143,10 @@ def test_reduce_inverse_hadamard_bitwise(R, block):
 
 
 @pytest.mark.parametrize("R,nodes", [(2, 2), (4, 2), (2, 4)])
-def test_reduce_then_encode_bitwise(R, nodes):
+@pytest.mark.parametrize("bits_out", [2, 3, 4])
+def test_reduce_then_encode_bitwise(R, nodes, bits_out):
     spec_in = QuantSpec(8, 128)
-    spec_out = QuantSpec(4, 128, scale_dtype=torch.bfloat16)
+    spec_out = QuantSpec(bits_out, 128, scale_dtype=torch.bfloat16)
     S = 512
     buf = _wire_rows(R, nodes * S, spec_in, 7)
     own = torch.randn(nodes * S, device=DEV)

@@ -62,6 +62,10 @@ SPECS = [
     QuantSpec(8, 64, scale_dtype=torch.bfloat16),
     QuantSpec(8, 16),
     QuantSpec(4, 6),
+    QuantSpec(2, 2048),  # below four bits: 4 codes a byte; 8 codes in 3 bytes
+    QuantSpec(3, 128),
+    QuantSpec(3, 64, scale_dtype=torch.bfloat16),
+    QuantSpec(2, 8),
 ]
 
 
@@ -117,7 +121,9 @@ def test_reduce_requantize_rows_that_do_not_start_on_a_group():
 @pytest.mark.parametrize("bad", [False, True])
 @pytest.mark.parametrize("hadamard", [None, (16, 1), (128, 2)], ids=str)
 # groups that hold a 128-block (two rows are then summed in one pass) and groups it spans
-@pytest.mark.parametrize("spec", [QuantSpec(8, 128), QuantSpec(4, 2048), QuantSpec(4, 32)], ids=str)
+@pytest.mark.parametrize(
+    "spec", [QuantSpec(8, 128), QuantSpec(4, 2048), QuantSpec(4, 32), QuantSpec(3, 128), QuantSpec(2, 32)], ids=str
+)
 def test_reduce_bitwise(rows, bad, hadamard, spec):
     n = 4 * 2048
     wire = _encode_rows_ref(_data(rows, n, seed=rows), spec, None, 1, None, None, None)[0]
@@ -129,7 +135,7 @@ def test_reduce_bitwise(rows, bad, hadamard, spec):
             wire, n, *_args(spec)[:2], False, own, own_row, flag, _signs(hadamard), 0, 2, False, False, n, -1, 0
         )[0]
         assert _same(got, _reduce_rows_ref(wire, spec, n, own, own_row, bad_f, hadamard, None, 0, -1, None))
-    enc = QuantSpec(4, 128)
+    enc = QuantSpec(spec.bits if spec.bits < 4 else 4, 128)  # the inter-node stage's width
     for own_seg in (0, 1):
         got = OPS.reduce_rows(wire, n, *_args(spec)[:2], False, own, 0, flag, None, *_args(enc), n // 2, own_seg, 0)
         want = _reduce_rows_ref(wire, spec, n, own, 0, bad_f, None, enc, n // 2, own_seg, None)

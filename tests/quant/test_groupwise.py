@@ -140,7 +140,9 @@ def test_fp16_scales_are_refused():
 def test_bad_input_is_a_clear_error():
     with pytest.raises(TypeError, match="int32"):
         quantize(torch.arange(10, dtype=torch.int32), QuantSpec())
-    with pytest.raises(ValueError, match="bits"):
-        QuantSpec(bits=3)
+    with pytest.raises(ValueError, match="bits.*allowed: 2, 3, 4, 8"):
+        QuantSpec(bits=5)
+    with pytest.raises(ValueError, match="group_size.*multiple of 8 at 2 or 3 bits"):
+        QuantSpec(bits=3, group_size=4)
     with pytest.raises(ValueError, match="rounding"):
         QuantSpec(rounding="up")
