@@ -147,11 +147,12 @@ def worker(job_file: str, out_file: str) -> None:
     dist.destroy_process_group()
 
 
-def spec_for(args, framework: str, arm: str, seed: int):
+def spec_for(args, framework: str, arm: str, seed: int, arms: dict = ARMS):
+    """The run of one arm (arms: name -> (sdpq block or None, bf16 parameters))."""
     from sdpq.train.llama import LlamaConfig
     from sdpq.train.run import RunSpec
 
-    block, bf16 = ARMS[arm]
+    block, bf16 = arms[arm]
     model = LlamaConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model)
     return RunSpec(
         backend=FRAMEWORKS[framework],
@@ -170,11 +171,12 @@ def spec_for(args, framework: str, arm: str, seed: int):
     )
 
 
-def run_job(args, framework: str, seed: int) -> dict:
+def run_job(args, framework: str, seed: int, arms: dict = ARMS) -> dict:
+    """Every arm of `arms` for one (framework, seed), in one launched world; {arm: results}."""
     with tempfile.TemporaryDirectory(prefix="sdpq-long-") as tmp:
         job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "run.log"
-        specs = {arm: dataclasses.asdict(spec_for(args, framework, arm, seed)) for arm in ARMS}
-        job.write_text(json.dumps({"framework": framework, "arms": list(ARMS), "specs": specs}))
+        specs = {arm: dataclasses.asdict(spec_for(args, framework, arm, seed, arms)) for arm in arms}
+        job.write_text(json.dumps({"framework": framework, "arms": list(arms), "specs": specs}))
         launcher = "deepspeed" if framework == "zero3" else "torchrun"
         code = run_local(
             [str(Path(__file__).resolve()), "--worker", str(job), str(out)],
