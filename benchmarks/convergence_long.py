@@ -196,39 +196,40 @@ def final_loss(losses: list[float], last: int = 50) -> float:
     return sum(tail) / len(tail)
 
 
-def summarize(runs: dict, args) -> dict:
-    """Per framework: the baseline's seed mean and sd, sdpq's paired difference in sd and %, val
+def summarize(runs: dict, args, arm: str = "sdpq") -> dict:
+    """Per framework: the baseline's seed mean and sd, `arm`'s paired difference in sd and %, val
     loss, bytes per step from the meter and their ratio, optimizer bytes per parameter."""
     out: dict = {}
+    arms = ("baseline", arm)
     for fw, seeds in runs.items():
-        finals = {arm: [final_loss(seeds[s][arm]["losses"]) for s in seeds] for arm in ARMS}
-        vals = {arm: [seeds[s][arm]["val_loss"] for s in seeds] for arm in ARMS}
+        finals = {a: [final_loss(seeds[s][a]["losses"]) for s in seeds] for a in arms}
+        vals = {a: [seeds[s][a]["val_loss"] for s in seeds] for a in arms}
         b_mean = statistics.mean(finals["baseline"])
         b_sd = statistics.stdev(finals["baseline"]) if len(seeds) > 1 else float("nan")
-        s_mean = statistics.mean(finals["sdpq"])
-        diffs = [s - b for s, b in zip(finals["sdpq"], finals["baseline"])]
+        s_mean = statistics.mean(finals[arm])
+        diffs = [s - b for s, b in zip(finals[arm], finals["baseline"])]
         first = next(iter(seeds.values()))
-        bytes_ = {arm: statistics.mean(seeds[s][arm]["meter_cross_node_bytes_per_step"] for s in seeds) for arm in ARMS}
+        bytes_ = {a: statistics.mean(seeds[s][a]["meter_cross_node_bytes_per_step"] for s in seeds) for a in arms}
         out[fw] = {
             "seeds": [int(s) for s in seeds],
             "params": first["baseline"]["params"],
-            "final_loss": {arm: finals[arm] for arm in ARMS},
+            "final_loss": {a: finals[a] for a in arms},
             "baseline_mean": b_mean,
             "baseline_sd": b_sd,
-            "sdpq_mean": s_mean,
+            f"{arm}_mean": s_mean,
             "diff_mean": s_mean - b_mean,
             "paired_diffs": diffs,
             "diff_in_baseline_sd": (s_mean - b_mean) / b_sd if b_sd > 0 else float("nan"),
             "diff_percent": 100 * (s_mean - b_mean) / b_mean,
             "within_1_sd": abs(s_mean - b_mean) <= b_sd,
             "within_half_percent": abs(s_mean - b_mean) <= 0.005 * b_mean,
-            "val_loss": {arm: statistics.mean(vals[arm]) for arm in ARMS},
-            "val_loss_sd": {arm: statistics.stdev(vals[arm]) if len(seeds) > 1 else float("nan") for arm in ARMS},
+            "val_loss": {a: statistics.mean(vals[a]) for a in arms},
+            "val_loss_sd": {a: statistics.stdev(vals[a]) if len(seeds) > 1 else float("nan") for a in arms},
             "meter_cross_node_bytes_per_step": bytes_,
-            "bytes_ratio": bytes_["sdpq"] / bytes_["baseline"] if bytes_["baseline"] else float("nan"),
-            "optimizer_bytes_per_param": {arm: first[arm]["optimizer_bytes_per_param"] for arm in ARMS},
-            "optimizer": {arm: first[arm]["optimizer"] for arm in ARMS},
-            "step_seconds": {arm: statistics.mean(seeds[s][arm]["step_seconds"] for s in seeds) for arm in ARMS},
+            "bytes_ratio": bytes_[arm] / bytes_["baseline"] if bytes_["baseline"] else float("nan"),
+            "optimizer_bytes_per_param": {a: first[a]["optimizer_bytes_per_param"] for a in arms},
+            "optimizer": {a: first[a]["optimizer"] for a in arms},
+            "step_seconds": {a: statistics.mean(seeds[s][a]["step_seconds"] for s in seeds) for a in arms},
         }
     return out
 
