@@ -124,7 +124,7 @@ def codec(ctx: Ctx) -> dict:
     for n in _odd_sizes(ctx):
         x = torch.randn(2, n, device=dev, generator=g) * torch.logspace(-3, 3, n, device=dev)
         ref = torch.randn(2, n, device=dev, generator=g)
-        for spec in (w_spec, QuantSpec(8, 128), QuantSpec(4, 2048)):
+        for spec in (w_spec, QuantSpec(8, 128), QuantSpec(4, 2048), QuantSpec(3, 2048), QuantSpec(2, 128)):
             wire, _, flag = k.encode_rows(x, spec, ref=ref)
             want, _, _ = _encode_rows_ref(x, spec, ref, 1, None, None, None)
             c.add(f"encode n={n} {spec.bits}b G{spec.group_size} (diff)", torch.equal(wire, want) and int(flag[0]) == 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["add_arguments", "main", "device_command", "git_commit", "CARRY_DIR"]
+__all__ = ["add_arguments", "main", "device_command", "git_commit", "tree_digest", "CARRY_DIR"]
 
 CARRY_DIR = ".carry"
 # Needed by DeepSpeed and absent from the GPU image (its package list has the rest: einops,
@@ -43,6 +44,15 @@ def git_commit(root: Path) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{head}+local changes" if dirty else head
+
+
+def tree_digest(root: Path) -> str:
+    """sha256 of the package's sources (sdpq/: .py, .h, .cpp), to tell whether a copied tree is
+    the one `sdpq check pack` saw."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in (root / "sdpq").rglob("*") if p.suffix in (".py", ".h", ".cpp")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def _installed_version(name: str) -> str:
@@ -102,7 +112,14 @@ def main(args: argparse.Namespace) -> int:
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     (dest / "manifest.json").write_text(
         json.dumps(
-            {"python": args.python_version, "pins": pins, "bytes": size, "commit": git_commit(Path.cwd())}, indent=1
+            {
+                "python": args.python_version,
+                "pins": pins,
+                "bytes": size,
+                "commit": git_commit(Path.cwd()),
+                "tree_sha256": tree_digest(Path.cwd()),
+            },
+            indent=1,
         )
     )
     print(f"\npacked {dest}/ ({size / 2**20:.1f} MiB): {', '.join(sorted(p.name for p in wheels.iterdir()))}")

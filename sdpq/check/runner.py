@@ -135,10 +135,12 @@ def _provenance(records: list[dict]) -> dict:
     commit = pack.git_commit(Path.cwd())
     if commit is None:
         try:
-            packed = json.loads((Path(pack.CARRY_DIR) / "manifest.json").read_text()).get("commit")
+            manifest = json.loads((Path(pack.CARRY_DIR) / "manifest.json").read_text())
         except (OSError, ValueError):
-            packed = None
-        commit = f"{packed} (as packed)" if packed else None
+            manifest = {}
+        if manifest.get("commit"):
+            same = manifest.get("tree_sha256") == pack.tree_digest(Path.cwd())
+            commit = manifest["commit"] + (" (as packed)" if same else " (as packed; sdpq/ changed since)")
     env = next((r for r in records if r["name"] == "env"), {})
     device = env.get("figures", {}).get("device")
     return {
