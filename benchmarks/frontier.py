@@ -7,7 +7,7 @@ The protocol is the long-run study's (benchmarks/convergence_long.py: the Llama-
 for a screen: one seed, a few hundred steps, FSDP2. Each setting is one arm on top of the
 default "sdpq" block; finished arms are cached next to --out, so an interrupted screen resumes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/frontier.py --steps 200      # ~35 min on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/frontier.py --steps 200      # ~20 min on 2 cores
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/frontier.py --replot
 
 Writes --out (JSON: every arm's losses, bytes and the summary) and a PNG (bytes ratio against
@@ -143,6 +143,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _relative(path: str) -> str:
+    """A path inside the repository as the repository names it (the results page shows it)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -188,7 +194,8 @@ def main(argv=None) -> int:
     rows = summarize(results)
     meta = {"world": f"{cl.WORLD // cl.RPN} nodes x {cl.RPN} ranks (gloo)", "wall_seconds": time.time() - t0}
     meta.update(provenance())
-    doc = {"args": vars(args), "meta": meta, "pareto": pareto(rows), "summary": rows, "runs": results}
+    shown = {**vars(args), "out": _relative(args.out)}
+    doc = {"args": shown, "meta": meta, "pareto": pareto(rows), "summary": rows, "runs": results}
     out.write_text(json.dumps(doc, indent=1))
     plot(rows, out.with_suffix(".png"), title)
     for r in rows:

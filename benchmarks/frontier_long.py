@@ -32,12 +32,6 @@ from benchmarks.provenance import provenance  # noqa: E402
 TAG = "[frontier_long]"
 
 
-def _relative(path: str) -> str:
-    """A path inside the repository as the repository names it (the results page shows it)."""
-    p = Path(path).resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", required=True, help="names like w3-g3, comma-separated (see frontier.py)")
@@ -74,8 +68,9 @@ def main(argv=None) -> int:
                     )
                 runs[fw][seed][name] = json.loads(part.read_text())
     summary = {name: cl.summarize(runs, proto, arm=name) for name in ["default", *arms]}
-    meta = {"study": Path(args.study).name, "wall_seconds": time.time() - t0, **provenance()}
-    shown = {**vars(args), "study": _relative(args.study), "out": _relative(args.out)}
+    protocol = {k: v for k, v in vars(proto).items() if k not in ("out", "timeout", "replot")}
+    meta = {"study": Path(args.study).name, "protocol": protocol, "wall_seconds": time.time() - t0, **provenance()}
+    shown = {**vars(args), "study": frontier._relative(args.study), "out": frontier._relative(args.out)}
     out.write_text(json.dumps({"args": shown, "meta": meta, "summary": summary, "runs": runs}, indent=1))
     for name, per_fw in summary.items():
         for fw, s in per_fw.items():

@@ -331,7 +331,8 @@ def _below_four_rows(src: Source) -> list[Row]:
             continue
         for fw, x in per_fw.items():
             label = names.get(fw, fw)
-            where = f"Llama-shaped model, seeds {', '.join(map(str, x['seeds']))}, 1000 steps, `{setting}`"
+            steps = src.data["meta"]["protocol"]["steps"]
+            where = f"Llama-shaped model, seeds {', '.join(map(str, x['seeds']))}, {steps} steps, `{setting}`"
             bytes_ = x["meter_cross_node_bytes_per_step"]
             rows += [
                 src.row(
@@ -383,7 +384,8 @@ def _unrecorded_rows() -> list[Row]:
 
 
 def _gpu_rows(src: Source) -> list[Row]:
-    """The GPU check on one GPU: sdpq's loss against the same run unquantized on the same device,
+    """The GPU check on one GPU: sdpq's loss against the same run with exact collectives (the same
+    FP8 + MCF AdamW) on the same device,
     and the codec kernels' bandwidth against a device copy of the same bytes."""
     steps = {s["name"]: s for s in src.data["steps"]}
     if not src.data.get("passed"):
@@ -401,7 +403,8 @@ def _gpu_rows(src: Source) -> list[Row]:
     return [
         src.row(
             "gpu-loss-fsdp2",
-            f"training loss on one {device}, FSDP2 + sdpq vs the same run unquantized, mean of the last "
+            f"training loss on one {device}, FSDP2 + sdpq vs the same run with exact collectives and "
+            "the same AdamW, mean of the last "
             f"{tail} of {len(losses['sdpq_device'])} steps "
             "(demo GPT, 4 ranks as 2 nodes x 2 sharing the GPU over gloo)",
             f"{sdpq:.4f}",

@@ -183,7 +183,7 @@ class GradientsConfig(_Section):
     mode: "two_level" = 8-bit intra-node all-to-all, then 4-bit inter-node all-to-all
         (SDP4Bit TLq); "exact" = the plain reduce-scatter (baseline).
     intra_bits / inter_bits: code widths of the two stages: intra 4 or 8; inter 2, 3, 4 or 8
-        (below 4 bits pair it with error_feedback, which covers the inter-node stage only).
+        (below 4 bits the loss suffers; see "Choosing code widths" in docs/config.md).
     intra_group_size / inter_group_size: elements per scale of each stage (SDP4Bit: 128;
         their inter-node flag is silently ignored; ours is honoured); a power of two, 32 to 4096.
     hadamard: randomized blockwise Walsh-Hadamard smoothing before quantization, inverted
@@ -418,8 +418,8 @@ gradient error feedback on or off (`benchmarks/frontier.py`, one seed, 200 steps
 - Weight differences tolerate fewer bits. The node-resident reference carries each
   difference's rounding into the next. `weights.bits: 3` cost no loss. `weights.bits: 2` cost
   +0.4% at 200 steps and nothing measurable over 1000 steps and 3 seeds.
-- Gradients do not. `inter_bits: 3` cost about +0.5% and `inter_bits: 2` about +3%, whatever
-  the weights' width.
+- Gradients do not. `inter_bits: 3` cost +0.5% to +0.9% and `inter_bits: 2` about +3%, at
+  every weight width.
 - `error_feedback` helped at no width. With 2-bit gradients it diverged (+22%): a three-level
   code's residual is as large as the gradient itself, and Adam's per-element scaling amplifies
   it on small coordinates.

@@ -158,6 +158,19 @@ def codec(ctx: Ctx) -> dict:
         )
         w2, o2, _ = _reduce_rows_ref(want, spec8, 2 * n, own_v, 0, zero, None, spec4, n, 1, None)
         c.add(f"reduce then 4-bit encode n={n}", torch.equal(enc, w2) and _same(own_out, o2))
+        for low in (QuantSpec(3, 128), QuantSpec(2, 128, scale_dtype=torch.bfloat16)):  # below four bits
+            enc, own_out, _ = k.reduce_rows(
+                want, spec8, 2 * n, own_v, 0, zero, encode_spec=low, encode_rows_n=n, own_seg=1
+            )
+            w2, o2, _ = _reduce_rows_ref(want, spec8, 2 * n, own_v, 0, zero, None, low, n, 1, None)
+            c.add(f"reduce then {low.bits}-bit encode n={n}", torch.equal(enc, w2) and _same(own_out, o2))
+            rows_low = _encode_rows_ref(x, low, None, 1, None, None, None)[0]
+            own4 = torch.randn(n, device=dev, generator=g)
+            got = k.reduce_rows(rows_low, low, n, own4, 0, zero, hadamard=h_k)
+            c.add(
+                f"{low.bits}-bit reduce + inverse hadamard n={n}",
+                _same(got, _reduce_rows_ref(rows_low, low, n, own4, 0, zero, h_ref, None, 0, -1, None)),
+            )
     c.add("stochastic: within one step, unbiased", _stochastic_ok(k, dev, g))
     figures = {}
     for name, n in _large_sizes(ctx).items():

@@ -145,6 +145,8 @@ def _provenance(records: list[dict]) -> dict:
     device = env.get("figures", {}).get("device")
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        # Note: a copied tree may carry a stale .git; the digest names the sources that ran.
+        "tree_sha256": pack.tree_digest(Path.cwd()),
         "commit": commit,
         "machine": f"{device}, host {_cpu_model()}" if device else _cpu_model(),
     }

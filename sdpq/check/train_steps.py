@@ -80,7 +80,7 @@ def _fsdp_run(device: torch.device, use_sdpq: bool, steps: int, d_model: int, qu
     if use_sdpq:
         opt = sdpq.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
         cfg: dict = {"topology": {"ranks_per_node": PER_NODE}}
-        if not quantize:  # sdpq's collectives and AdamW, nothing quantized on the wire
+        if not quantize:  # sdpq's collectives and AdamW, nothing quantized on the wire (AdamW's FP8 states stay)
             cfg.update(weights={"mode": "exact"}, gradients={"mode": "exact"})
         sdpq.fsdp.apply(model, cfg, optimizer=opt)
     else:
@@ -166,7 +166,7 @@ def _compare(res: dict, c: Checks, what: str) -> dict:
         "tail_mean_ratio_vs_cpu": tail,
         "losses": res,
     }
-    for base in ("exact_device", "plain_device"):  # context: the same device, nothing quantized
+    for base in ("exact_device", "plain_device"):  # context: the same device, exact collectives
         if base in res:
             figures[f"tail_mean_ratio_vs_{base}"] = _tail(dev) / _tail(res[base])
     return figures

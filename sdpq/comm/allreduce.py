@@ -11,7 +11,7 @@ SUM semantics, in place: every rank ends with the same sum over ranks of x, bit 
        included, decodes the same bytes, so the replicas' gradients, and so their parameters
        after the optimizer step, stay bitwise identical.
 
-Bytes: 2 (R - 1) / R of the bucket at 4 bits (+ scales) per rank, where a ring all-reduce of
+Bytes: 2 (R - 1) / R of the bucket at `inter_bits` (4 by default; + scales) per rank, where a ring all-reduce of
 bf16 sends 2 (R - 1) / R at 16 bits: about 0.26 of it (0.27 against fp32 scales). Phase 2
 re-quantizes an already reduced sum, so its error does not grow with R.
 

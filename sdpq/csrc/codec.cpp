@@ -18,7 +18,8 @@
 // and they do not depend on how the work is split between threads.
 //
 // Wire rows (sdpq/quant/wire.py): [codes: groups * G * bits / 8 bytes | scales: fp32 or bf16,
-// little endian]; 4-bit codes are two's-complement nibbles, element 2i in the low nibble.
+// little endian]; codes below 8 bits are a little-endian bit stream of two's-complement fields
+// (4-bit: element 2i in the low nibble of byte i; 3-bit: 8 codes in 3 bytes).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -107,16 +107,16 @@ SDPQ_INLINE i8 quantize_vector(f8 x, f8 scale, float qmax, uint32_t seed, uint64
 #endif
 }
 
-// The 8 codes c packed into codes (8 bytes at 8 bits, 4 bytes at 4 bits: element 2k in the
-// low nibble of byte k). Byte 0 of each lane is the code's two's-complement byte (little
+// The 8 codes c packed into codes: `bits` bytes (8 bits: one byte each; 4 bits: element 2k in
+// the low nibble of byte k; 2 and 3 bits: the fields of one little-endian word). Byte 0 of each lane is the code's two's-complement byte (little
 // endian); byte shuffles pick them (a converting cast would be split into scalar moves by GCC).
 template <int bits>
 SDPQ_INLINE void pack_codes(i8 c, uint8_t* codes) {
-  if (bits == 2 || bits == 3) {  // fields shifted into one 32-bit word (8 x 3 = 24 bits at most)
+  if constexpr (bits == 2 || bits == 3) {  // fields shifted into one 32-bit word (8 x 3 = 24 bits at most)
     const u8 f = ((u8)c & ((1u << bits) - 1)) << (u8){0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits};
     const uint32_t w = f[0] | f[1] | f[2] | f[3] | f[4] | f[5] | f[6] | f[7];
     std::memcpy(codes, &w, bits);  // little endian: the low `bits` bytes
-  } else if (bits == 8) {
+  } else if constexpr (bits == 8) {
     const b32 bytes = (b32)c;
     const b8 packed = __builtin_shufflevector(bytes, bytes, 0, 4, 8, 12, 16, 20, 24, 28);
     std::memcpy(codes, &packed, 8);
@@ -132,7 +132,7 @@ SDPQ_INLINE void pack_codes(i8 c, uint8_t* codes) {
 // saturating packs narrow two vectors at once (7 instructions for 16 codes instead of 18).
 template <int bits>
 SDPQ_INLINE void pack_codes2(i8 a, i8 b, uint8_t* codes) {
-  if (bits == 2 || bits == 3) {
+  if constexpr (bits == 2 || bits == 3) {
     pack_codes<bits>(a, codes);
     pack_codes<bits>(b, codes + bits);
     return;
@@ -296,8 +296,9 @@ inline bool quantize_group(const float* v, int64_t len, const Spec& sp, uint8_t*
   return gs.finite;
 }
 
-// Decoded codes of 8 elements starting at an element e with e % 8 == 0: bytes at `codes` (8 bits)
-// or nibbles of 4 bytes at `codes` (4 bits, element 2k in the low nibble of byte k).
+// Decoded codes of 8 elements starting at an element e with e % 8 == 0: the `bits` bytes at
+// `codes` (8 bits: one byte each; 4 bits: element 2k in the low nibble of byte k; 2 and 3 bits:
+// the fields of one little-endian word).
 SDPQ_INLINE f8 decode_vector(const uint8_t* codes, int64_t bits, f8 scale) {
   typedef int8_t c8 __attribute__((vector_size(8)));
   i8 c;

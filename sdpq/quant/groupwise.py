@@ -1,6 +1,6 @@
-"""Symmetric absmax group quantization to int8 / int4 codes (pure tensor math).
+"""Symmetric absmax group quantization to 8, 4, 3 or 2-bit codes (pure tensor math).
 
-Per group of G values: s = max|x| / qmax (qmax = 127 for 8-bit, 7 for 4-bit),
+Per group of G values: s = max|x| / qmax (qmax = 2^(bits-1) - 1: 127, 7, 3, 1),
 q = round(x / s) clamped to [-qmax, qmax]; an all-zero group has s = 0 and q = 0.
 Rounding is to nearest (|x - s q| <= s/2) or stochastic (floor(x/s + u), u ~ U[0, 1),
 so E[s q] = x for every element whose group is not clipped).
