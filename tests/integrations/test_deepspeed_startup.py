@@ -73,7 +73,7 @@ def test_typo_in_sdpq_block_fails_at_startup_with_key_path():
     with pytest.raises(ConfigError, match=r"sdpq\.weights\.bitz: unknown key"):
         sds.initialize(model=model, config={**base, "sdpq": {"weights": {"bitz": 4}}})
     with pytest.raises(ConfigError, match=r"sdpq\.gradients\.inter_bits"):
-        sds.initialize(model=model, config={**base, "sdpq": {"gradients": {"inter_bits": 3}}})
+        sds.initialize(model=model, config={**base, "sdpq": {"gradients": {"inter_bits": 5}}})
     with pytest.raises(ConfigError, match=r"sdpq\.wieghts: unknown key"):
         sds.initialize(model=model, config={**base, "sdpq": {"wieghts": {}}})
 
