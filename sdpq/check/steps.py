@@ -78,7 +78,12 @@ STEPS: dict[str, Step] = {
     "codec": Step(
         "codec kernels vs the PyTorch reference (odd sizes, 64 MiB-1 GiB, > 2^31 elements)", f"{_K}:codec", 55, 150
     ),
-    "adamw": Step("AdamW kernel vs the PyTorch path (odd shapes, 70000 rows, 64 MiB-1 GiB)", f"{_K}:adamw", 50, 150),
+    "adamw": Step(
+        "AdamW kernel vs the PyTorch path (odd shapes, 70000 rows, 64 MiB-1 GiB)",
+        "sdpq.check.adamw_step:adamw",
+        50,
+        150,
+    ),
     "throughput": Step(
         "kernel GB/s next to a copy of the same bytes, speedup over PyTorch", f"{_K}:throughput", 40, 90
     ),
