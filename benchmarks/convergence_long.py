@@ -286,11 +286,9 @@ def plot(runs: dict, path: Path, args, window: int = 25) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--frameworks", default="fsdp2,zero3")
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model and schedule of the protocol (spec_for reads them), shared with the studies
+    that reuse it (benchmarks/frontier.py)."""
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -299,6 +297,14 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=16)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--frameworks", default="fsdp2,zero3")
+    add_model_arguments(ap)
     ap.add_argument("--timeout", type=float, default=2 * 3600)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence_long.json"))
     ap.add_argument("--replot", action="store_true", help="only redraw the plot of an existing --out JSON")

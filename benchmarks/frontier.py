@@ -40,13 +40,9 @@ def setting_name(w: int, g: int, ef: bool) -> str:
 
 
 def block(w: int, g: int, ef: bool) -> dict:
-    """The default "sdpq" block with the weights' and the inter-node gradients' widths set."""
-    return {
-        "weights": {"bits": w},
-        "gradients": {"inter_bits": g, "error_feedback": ef},
-        "optimizer": {},
-        "workarounds": {"deepspeed_alias_bf16_master": True},
-    }
+    """The long-run study's block (the defaults) with the weights' and the inter-node gradients'
+    widths set."""
+    return {**cl.SDPQ, "weights": {"bits": w}, "gradients": {"inter_bits": g, "error_feedback": ef}}
 
 
 def arms(settings: list[tuple[int, int, bool]]) -> dict:
@@ -155,14 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--framework", default="fsdp2", choices=list(cl.FRAMEWORKS))
     ap.add_argument("--settings", default="all", help='"all" or names like w3-g2-ef, comma-separated')
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--eval-batches", type=int, default=16)
+    cl.add_model_arguments(ap)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontier_fsdp2_200steps.json"))
     ap.add_argument("--replot", action="store_true", help="only redraw the plot of an existing --out JSON")

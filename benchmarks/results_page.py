@@ -272,8 +272,22 @@ def _emulated_rows(src: Source) -> list[Row]:
     return rows
 
 
+LONG_FRAMEWORKS = {"fsdp2": "FSDP2", "zero3": "ZeRO-3"}  # the long-run protocol's, as the rows name them
+
+
+def _long_bytes_row(src: Source, key: str, label: str, where: str, x: dict, arm: str) -> Row:
+    """Cross-node bytes of one arm of a long-run summary against its bf16 baseline."""
+    bytes_ = x["meter_cross_node_bytes_per_step"]
+    return src.row(
+        key,
+        f"cross-node bytes per step vs bf16 {label}, process-group meter ({where})",
+        _mb(bytes_[arm]),
+        _mb(bytes_["baseline"]),
+        f"{x['bytes_ratio']:.3f}",
+    )
+
+
 def _long_rows(src: Source) -> list[Row]:
-    names = {"fsdp2": "FSDP2", "zero3": "ZeRO-3"}
     if not src.exists:
         return [
             Row(
@@ -288,13 +302,12 @@ def _long_rows(src: Source) -> list[Row]:
                 NOT_RECORDED,
                 NOT_RECORDED,
             )
-            for fw, label in names.items()
+            for fw, label in LONG_FRAMEWORKS.items()
         ]
     rows = []
     for fw, x in src.data["summary"].items():
-        label = names.get(fw, fw)
+        label = LONG_FRAMEWORKS.get(fw, fw)
         where = f"Llama-shaped model, seeds {', '.join(map(str, x['seeds']))}, {src.data['args']['steps']} steps"
-        bytes_ = x["meter_cross_node_bytes_per_step"]
         rows += [
             src.row(
                 f"loss-long-{fw}",
@@ -303,13 +316,7 @@ def _long_rows(src: Source) -> list[Row]:
                 f"{x['baseline_mean']:.4f} (sd {x['baseline_sd']:.4f}; val {x['val_loss']['baseline']:.4f})",
                 f"{x['diff_percent']:+.2f}% ({x['diff_in_baseline_sd']:+.2f} sd)",
             ),
-            src.row(
-                f"bytes-long-{fw}",
-                f"cross-node bytes per step vs bf16 {label}, process-group meter ({where})",
-                _mb(bytes_["sdpq"]),
-                _mb(bytes_["baseline"]),
-                f"{x['bytes_ratio']:.3f}",
-            ),
+            _long_bytes_row(src, f"bytes-long-{fw}", label, where, x, "sdpq"),
             src.row(
                 f"optimizer-long-{fw}",
                 f"optimizer bytes per parameter vs bf16 {label} ({where})",
@@ -324,24 +331,16 @@ def _long_rows(src: Source) -> list[Row]:
 def _below_four_rows(src: Source) -> list[Row]:
     """The screen's chosen setting on the long-run protocol (benchmarks/frontier_long.py): its
     paired loss difference and its cross-node bytes against the bf16 baselines."""
-    names = {"fsdp2": "FSDP2", "zero3": "ZeRO-3"}
     rows = []
+    steps = src.data["meta"]["protocol"]["steps"]
     for setting, per_fw in src.data["summary"].items():
         if setting == "default":
             continue
         for fw, x in per_fw.items():
-            label = names.get(fw, fw)
-            steps = src.data["meta"]["protocol"]["steps"]
+            label = LONG_FRAMEWORKS.get(fw, fw)
             where = f"Llama-shaped model, seeds {', '.join(map(str, x['seeds']))}, {steps} steps, `{setting}`"
-            bytes_ = x["meter_cross_node_bytes_per_step"]
             rows += [
-                src.row(
-                    f"bytes-{setting}-{fw}",
-                    f"cross-node bytes per step vs bf16 {label}, process-group meter ({where})",
-                    _mb(bytes_[setting]),
-                    _mb(bytes_["baseline"]),
-                    f"{x['bytes_ratio']:.3f}",
-                ),
+                _long_bytes_row(src, f"bytes-{setting}-{fw}", label, where, x, setting),
                 src.row(
                     f"loss-{setting}-{fw}",
                     f"long-run training loss vs bf16 {label}, mean over seeds ({where})",

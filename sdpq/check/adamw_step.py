@@ -25,7 +25,7 @@ def _adamw_pair(shape, dev, lr=1e-2, steps=3, seed=0) -> dict:
     weight differences (in lr), and per moment the groups whose expansion power k differs
     and how many E4M3 codes apart the codes are where it agrees."""
     from ..optim import AdamW, states
-    from ..optim.layout import rows
+    from ..quant.fp8 import grouped
 
     g = torch.Generator(device=dev).manual_seed(seed)
     w0 = torch.randn(shape, device=dev, generator=g).to(torch.bfloat16)
@@ -51,16 +51,12 @@ def _adamw_pair(shape, dev, lr=1e-2, steps=3, seed=0) -> dict:
         # k is the group's one discrete choice (gm and scale carry log2/exp2 rounding, times k)
         same_k = s_r[name + "_k"].reshape(-1) == s_k[name + "_k"].reshape(-1)
         steps_apart = (_e4m3_ordinal(s_r[name + "_codes"]) - _e4m3_ordinal(s_k[name + "_codes"])).abs()
-        per_row = rows(steps_apart)  # [rows, cols]: groups of G along each row, the last one short
-        n_groups = same_k.numel() // per_row.shape[0]
-        padded = torch.nn.functional.pad(per_row, (0, n_groups * G - per_row.shape[1]))
-        groups = padded.reshape(same_k.numel(), G)
+        groups = grouped(steps_apart, G).reshape(-1, G)  # the moments' groups: rows, zero padded
         a, b = states.decode(s_r, name), states.decode(s_k, name)
         rel = ((a - b).abs() / a.abs().clamp_min(1e-30))[a != 0]
         # differences against each group's largest magnitude: a one-code flip of a tiny element
         # (which moves the group's minimum, hence gm and scale) is large relative to itself only
-        pa = torch.nn.functional.pad(rows(a), (0, n_groups * G - per_row.shape[1])).reshape(-1, G)
-        pb = torch.nn.functional.pad(rows(b), (0, n_groups * G - per_row.shape[1])).reshape(-1, G)
+        pa, pb = grouped(a, G).reshape(-1, G), grouped(b, G).reshape(-1, G)
         of_max = ((pa - pb).abs().amax(1) / pa.abs().amax(1).clamp_min(1e-30)).max()
         out[name] = {
             "groups": same_k.numel(),

@@ -121,6 +121,17 @@ def codec(ctx: Ctx) -> dict:
     c, dev = Checks(), ctx.device
     g = torch.Generator(device=dev).manual_seed(0)
     w_spec = QuantSpec(4, 128, scale_dtype=torch.bfloat16)  # the weights path's shape of spec
+    _odd_sizes_bitwise(k, c, ctx, g, w_spec)
+    _gradient_path_bitwise(k, c, dev, g)
+    c.add("stochastic: within one step, unbiased", _stochastic_ok(k, dev, g))
+    _large_sizes_bitwise(k, c, ctx, g, w_spec)
+    figures = {} if ctx.rehearse else {"over_2^31": _beyond_int32(k, dev, c)}
+    return c.result(figures, [] if not ctx.rehearse else ["> 2^31 elements: GPU only (8 GiB)"])
+
+
+def _odd_sizes_bitwise(k, c: Checks, ctx: Ctx, g, w_spec: QuantSpec) -> None:
+    """Difference encode and decode + add at odd sizes, every code width."""
+    dev = ctx.device
     for n in _odd_sizes(ctx):
         x = torch.randn(2, n, device=dev, generator=g) * torch.logspace(-3, 3, n, device=dev)
         ref = torch.randn(2, n, device=dev, generator=g)
@@ -134,12 +145,23 @@ def codec(ctx: Ctx) -> dict:
                 f"decode+add n={n} {spec.bits}b G{spec.group_size}",
                 _same(got, _decode_rows_ref(want, spec, n, base.clone(), True)),
             )
-    # the gradient path: Hadamard, reduce with inverse transform, reduce then re-encode
+
+
+def _gradient_path_bitwise(k, c: Checks, dev, g) -> None:
+    """The gradient path: segmented 8-bit Hadamard encode, reduce with the inverse transform,
+    reduce then re-encode for the inter-node stage at 4, 3 and 2 bits, and the inter-node
+    reduce + inverse transform at 3 and 2 bits."""
+    spec8 = QuantSpec(8, 128)
+    inter = (
+        QuantSpec(4, 128, scale_dtype=torch.bfloat16),
+        QuantSpec(3, 128),
+        QuantSpec(2, 128, scale_dtype=torch.bfloat16),
+    )
+    zero = torch.zeros(1, device=dev)
     for n in (1024, 4096):
         x = torch.randn(4, n, device=dev, generator=g)
         x[0, 7] = 300.0
         h_ref, h_k = _had(128, 5, dev)
-        spec8, spec4 = QuantSpec(8, 128), QuantSpec(4, 128, scale_dtype=torch.bfloat16)
         wire, own, _ = k.encode_rows(x, spec8, segments=2, hadamard=h_k, own_row=1)
         want, want_own, _ = _encode_rows_ref(x, spec8, None, 2, h_ref, 1, None)
         c.add(
@@ -147,32 +169,30 @@ def codec(ctx: Ctx) -> dict:
             torch.equal(wire, want) and own is not None and want_own is not None and _same(own, want_own),
         )
         own_v = torch.randn(2 * n, device=dev, generator=g)
-        zero = torch.zeros(1, device=dev)
         got = k.reduce_rows(want, spec8, 2 * n, own_v, 0, zero, hadamard=h_k)
         c.add(
             f"reduce + inverse hadamard n={n}",
             _same(got, _reduce_rows_ref(want, spec8, 2 * n, own_v, 0, zero, h_ref, None, 0, -1, None)),
         )
-        enc, own_out, _ = k.reduce_rows(
-            want, spec8, 2 * n, own_v, 0, zero, encode_spec=spec4, encode_rows_n=n, own_seg=1
-        )
-        w2, o2, _ = _reduce_rows_ref(want, spec8, 2 * n, own_v, 0, zero, None, spec4, n, 1, None)
-        c.add(f"reduce then 4-bit encode n={n}", torch.equal(enc, w2) and _same(own_out, o2))
-        for low in (QuantSpec(3, 128), QuantSpec(2, 128, scale_dtype=torch.bfloat16)):  # below four bits
+        for spec in inter:
             enc, own_out, _ = k.reduce_rows(
-                want, spec8, 2 * n, own_v, 0, zero, encode_spec=low, encode_rows_n=n, own_seg=1
+                want, spec8, 2 * n, own_v, 0, zero, encode_spec=spec, encode_rows_n=n, own_seg=1
             )
-            w2, o2, _ = _reduce_rows_ref(want, spec8, 2 * n, own_v, 0, zero, None, low, n, 1, None)
-            c.add(f"reduce then {low.bits}-bit encode n={n}", torch.equal(enc, w2) and _same(own_out, o2))
-            rows_low = _encode_rows_ref(x, low, None, 1, None, None, None)[0]
-            own4 = torch.randn(n, device=dev, generator=g)
-            got = k.reduce_rows(rows_low, low, n, own4, 0, zero, hadamard=h_k)
-            c.add(
-                f"{low.bits}-bit reduce + inverse hadamard n={n}",
-                _same(got, _reduce_rows_ref(rows_low, low, n, own4, 0, zero, h_ref, None, 0, -1, None)),
-            )
-    c.add("stochastic: within one step, unbiased", _stochastic_ok(k, dev, g))
-    figures = {}
+            w2, o2, _ = _reduce_rows_ref(want, spec8, 2 * n, own_v, 0, zero, None, spec, n, 1, None)
+            c.add(f"reduce then {spec.bits}-bit encode n={n}", torch.equal(enc, w2) and _same(own_out, o2))
+            if spec.bits < 4:  # below four bits: the inter-node stage's own reduce
+                rows_low = _encode_rows_ref(x, spec, None, 1, None, None, None)[0]
+                own4 = torch.randn(n, device=dev, generator=g)
+                got = k.reduce_rows(rows_low, spec, n, own4, 0, zero, hadamard=h_k)
+                c.add(
+                    f"{spec.bits}-bit reduce + inverse hadamard n={n}",
+                    _same(got, _reduce_rows_ref(rows_low, spec, n, own4, 0, zero, h_ref, None, 0, -1, None)),
+                )
+
+
+def _large_sizes_bitwise(k, c: Checks, ctx: Ctx, g, w_spec: QuantSpec) -> None:
+    """Hadamard encode and decode of 64 MiB-1 GiB rows."""
+    dev = ctx.device
     for name, n in large_sizes(ctx).items():
         x = torch.randn(1, n, device=dev, generator=g)
         h_ref, h_k = _had(128, 1, dev)
@@ -185,9 +205,6 @@ def codec(ctx: Ctx) -> dict:
             _same(k.decode_rows(want, w_spec, n, out), _decode_rows_ref(want, w_spec, n, torch.empty_like(out), False)),
         )
         del x, wire, want, out
-    if not ctx.rehearse:
-        figures["over_2^31"] = _beyond_int32(k, dev, c)
-    return c.result(figures, [] if not ctx.rehearse else ["> 2^31 elements: GPU only (8 GiB)"])
 
 
 def _stochastic_ok(k, dev, g) -> bool:

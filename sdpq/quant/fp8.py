@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ._div import true_div
 
-__all__ = ["FP8Quantized", "fp8_empty", "quantize_fp8", "dequantize_fp8", "nonfinite_groups"]
+__all__ = ["FP8Quantized", "fp8_empty", "grouped", "quantize_fp8", "dequantize_fp8", "nonfinite_groups"]
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # k is quantized to 1/16 (as in COAT). The floor of 1/16 only binds for groups spanning
@@ -108,7 +108,7 @@ def fp8_empty(shape, fmt: str = "e4m3", group_size: int = 128, expand: bool = Tr
     )
 
 
-def _grouped(x: Tensor, group_size: int) -> Tensor:
+def grouped(x: Tensor, group_size: int) -> Tensor:
     """x in fp32 as [rows, groups, G] (a view when already fp32 and unpadded; never written),
     zero padded (zeros never change mn or mx)."""
     n = x.shape[-1] if x.dim() else 1
@@ -141,7 +141,7 @@ def quantize_fp8(
         )
     if x.numel() == 0:
         return out
-    g = _grouped(x, group_size)
+    g = grouped(x, group_size)
     a = g.abs()
     mx = a.amax(-1)  # NaN propagates through amax: a NaN anywhere makes the group non-finite
     bad = ~torch.isfinite(mx)
@@ -195,7 +195,7 @@ def dequantize_fp8(q: FP8Quantized, dtype: torch.dtype = torch.float32, out: Ten
         return torch.empty(shape, dtype=dtype, device=q.codes.device) if out is None else out
     # fp8 -> fp32 through a 256-entry table: CPU casts from float8 are scalar and ~10x slower
     codes = q.codes.reshape(-1).int()
-    c = _grouped(_table(q.fmt, codes.device).index_select(0, codes).view(-1, n), q.group_size)
+    c = grouped(_table(q.fmt, codes.device).index_select(0, codes).view(-1, n), q.group_size)
     s = q.scale.reshape(c.shape[0], -1)
     if q.k is not None and q.gm is not None:  # q.expand
         # |c s|^(1/k) gm = exp2(log2|c| / k + (log2 s / k + log2 gm)); a non-finite group gets
