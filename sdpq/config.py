@@ -157,6 +157,14 @@ class WeightsConfig(_Section):
         difference (0 = only the first refresh).
     verify_every: every N refreshes compare a checksum of the reference across its holders;
         a mismatch resyncs and warns (0 = never).
+    reference: storage of the node-resident reference (diff mode; on one node none is kept):
+        "auto" (default: the compute dtype, so the gathered weights are the reference itself;
+        bf16 under bf16 mixed precision: 2 bytes per element of it, 2/L per parameter on a
+        rank with L ranks per node, the size of ZeRO++'s secondary copy), "bf16", "fp16",
+        "fp32" (4/L), or "int8" (8-bit codes with one fp32 scale per 128: ~1.03/L; the compute
+        weights are then int8 group-quantized, and the node's gathers send 8.25 instead of 16
+        bits per element). Each storage's rounding is fed into the next difference, so none
+        drifts. Memory per choice: `sdpq plan`.
     """
 
     mode: Literal["diff", "direct", "exact"] = "diff"
@@ -166,6 +174,7 @@ class WeightsConfig(_Section):
     scale_dtype: ScaleFormat = "fp32"
     resync_every: int = 0
     verify_every: int = 100
+    reference: Literal["auto", "bf16", "fp16", "fp32", "int8"] = "auto"
 
     def _validate(self, path: str) -> None:
         _check_choice(f"{path}.bits", self.bits, (2, 3, 4, 8))

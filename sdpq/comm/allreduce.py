@@ -83,6 +83,10 @@ class GradAllReduce:
     def reset_error_feedback(self) -> None:
         self.reduce_scatter.reset_error_feedback()
 
+    def held_tensors(self):
+        """(kind, tensor) of what this rank keeps between calls (for sdpq.memory)."""
+        return self.reduce_scatter.held_tensors()
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x (flat, `numel` elements, any float dtype) <- the sum over the group's ranks; returns x."""
         if x.numel() != self.numel:

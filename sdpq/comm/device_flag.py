@@ -36,6 +36,10 @@ class DeviceFlag:
             # wait for the device, a copy into an allocated one does not.
             self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
 
+    def tensors(self) -> tuple:
+        """The tensors this flag keeps (None where not made yet)."""
+        return (self._value, self._host)
+
     @property
     def pending(self) -> bool:
         """Whether a value was raised since the last take() (known on the host, no read)."""

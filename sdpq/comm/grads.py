@@ -24,7 +24,7 @@ Note (own rows): a rank's own contribution to its own chunk is summed exactly, n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -212,6 +212,11 @@ class GradReduceScatter:
 
     def reset_error_feedback(self) -> None:
         self.residual = None
+
+    def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(kind, tensor) of what this rank keeps between calls (for sdpq.memory)."""
+        if self.residual is not None:
+            yield "error_feedback", self.residual
 
     # ------------------------------------------------------------------ exact
 

@@ -87,6 +87,16 @@ class BucketLayout(NamedTuple):
             self.pack_chunk(x[r * cn : min(numel, (r + 1) * cn)], r, rows[r])
         return rows
 
+    def pack_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A one-chunk layout (a weight gather's): every row of x [R, chunk_numel] placed alike
+        -> [R, padded_chunk], zero where nothing is placed."""
+        if len(self.runs) != 1:
+            raise ValueError(f"pack_rows: a layout of one chunk only, this one has {len(self.runs)}")
+        rows = torch.zeros((x.shape[0], self.padded_chunk), dtype=x.dtype, device=x.device)
+        for src, dst, n in self.runs[0]:
+            rows[:, dst : dst + n] = x[:, src : src + n]
+        return rows
+
     def pack_chunk(self, chunk: torch.Tensor, r: int, row: torch.Tensor) -> None:
         """Chunk r (at most chunk_numel elements) -> its padded row (pad positions untouched)."""
         for src, dst, n in self.runs[r]:

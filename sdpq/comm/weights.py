@@ -4,11 +4,13 @@ The bucket of `numel` elements is split into N equal shards of C = ceil(numel / 
 padded with zeros); rank r owns shard r. `gather(shard)` returns the full bucket on every rank.
 
 Modes:
-- "diff": rank (n, l) keeps the node-resident reference R_l = shards {n' * L + l} (fp32 by
-  default). Once per weight version (`mark_weights_changed(exact=False)`), the owner sends
-  Q4(shard - R_l[n]) over the inter-node group and every holder of R_l adds the dequantized differences; every gather is
-  then an intra-node all-gather of R_l in the compute dtype. Cross-node traffic: ~4 bits per
-  element once per step instead of 16 bits per gather.
+- "diff": rank (n, l) keeps the node-resident reference R_l = shards {n' * L + l} (bf16 by
+  default; fp32 or int8 by `weights.reference`, see reference.py). Once per weight version
+  (`mark_weights_changed(exact=False)`), the owner sends Q4(shard - R_l[n]) over the inter-node
+  group and every holder of R_l adds the dequantized differences; every gather is then an
+  intra-node all-gather of R_l in the compute dtype. Cross-node traffic: ~4 bits per element
+  once per step instead of 16 bits per gather. On one node nothing crosses a slow link and no
+  reference is kept: every gather is the exact one (`holds_reference` is False).
 - "direct": int8 of the weights themselves, all-gathered over the world on every call (stateless).
 - "exact": plain all-gather in the compute dtype.
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -42,6 +44,7 @@ from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
 from .agreement import check_agreement
 from .device_flag import DeviceFlag
+from .reference import Reference, make_reference, reference_kind
 from .segments import BucketLayout, Segment, aligned_group_spec
 from .stats import CommStats, Recorder
 from .topology import Topology
@@ -54,9 +57,9 @@ class ReferenceMismatchWarning(RuntimeWarning):
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums of the raw bits (plain and position-weighted): equal on bitwise-equal
+    """Two int64 sums of the raw bytes (plain and position-weighted): equal on bitwise-equal
     tensors, different on virtually any corruption (a flipped bit changes the plain sum)."""
-    bits = t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16).flatten().to(torch.int64)
+    bits = t.contiguous().view(torch.uint8).flatten().to(torch.int64)
     weights = torch.arange(bits.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
     return torch.stack((bits.sum(), (bits * weights).sum()))
 
@@ -66,7 +69,7 @@ class WeightGather:
     every method collectively (all ranks, same order), like any torch.distributed collective.
 
     numel: elements of the full bucket. dtype: the compute dtype of the gathered output
-    (default fp32). reference_dtype: storage of R_l in diff mode (fp32, or bf16 to halve it).
+    (default fp32). The storage of R_l in diff mode is the config's `reference`.
     stats / record_to: what to record (StatsConfig) and into which CommStats (default: the
     process-wide one, sdpq.stats.of()).
     """
@@ -79,7 +82,6 @@ class WeightGather:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        reference_dtype: torch.dtype = torch.float32,
         stats: StatsConfig | None = None,
         record_to: CommStats | None = None,
         segments: Sequence[Segment] | None = None,
@@ -91,7 +93,6 @@ class WeightGather:
         self.numel = numel
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.reference_dtype = reference_dtype
         N = topology.world_size
         self.shard_numel = -(-numel // N)
         self.padded_numel = self.shard_numel * N
@@ -107,19 +108,22 @@ class WeightGather:
         self.placement: BucketLayout | None = None  # where the shard's parameters lie on the wire
         if segments is not None and c.mode != "exact":
             self.spec, self.placement = aligned_group_spec(self.spec, segments, self.shard_numel)
+        self.reference_kind = reference_kind(c.reference, dtype)  # "auto" resolved
         check_agreement(
             "WeightGather",
             {
                 "weights": dataclasses.asdict(c),
                 "numel": numel,
                 "dtype": str(dtype),
-                "reference_dtype": str(reference_dtype),
+                "reference": self.reference_kind,
                 "layout": topology.layout,
                 "placement": None if self.placement is None else (self.spec.group_size, self.placement.digest()),
             },
             topology.world_group,
         )
-        self.reference: torch.Tensor | None = None  # R_l: [nodes, C]
+        # Note: a reference only where weights cross nodes; on one node R_l would be the shard itself.
+        self.holds_reference = c.mode == "diff" and topology.nodes > 1
+        self._store: Reference | None = None  # R_l, made at the first refresh
         self.dirty = True
         self.version = 0  # refreshes done
         self.calls = 0  # gathers done
@@ -165,11 +169,9 @@ class WeightGather:
             # the exact one (bitwise the plain gather, whatever the dtype). A diff gather without a
             # refresh sends the reference only and never reads the shard.
             if mode == "diff":
-                if self.dirty:
+                if self.holds_reference and self.dirty:
                     self._refresh(self._shard_copy(shard, torch.float32), shard.dtype)
-                else:
-                    self._check_shard(shard)
-                full = self._gather_reference(dtype, into)
+                full = self._gather_node(self._node_payload(shard, dtype), dtype, into)
             elif mode == "direct":
                 full = self._gather_direct(self._shard_copy(shard, torch.float32), dtype)
             else:
@@ -202,11 +204,37 @@ class WeightGather:
 
     __call__ = gather
 
+    @property
+    def reference(self) -> torch.Tensor | None:
+        """The storage of R_l (fp32 or bf16 [nodes, C]; int8: its 8-bit wire rows), None before
+        the first refresh and wherever no reference is kept."""
+        return None if self._store is None else self._store.tensor
+
+    @property
+    def reference_bytes(self) -> int:
+        """Bytes this rank keeps for R_l now (0 before the first refresh and on one node)."""
+        return 0 if self._store is None else self._store.nbytes
+
+    def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(kind, tensor) of what this rank keeps between gathers (for sdpq.memory)."""
+        if self._store is not None:
+            yield "weight_reference", self._store.tensor
+        for t in (*self._nonfinite.tensors(), *self._mismatched.tensors(), self._verified_sums):
+            if t is not None:
+                yield "sdpq_buffers", t
+
     def reconstructed_shard(self) -> torch.Tensor:
-        """diff mode: this rank's own shard as every rank reconstructs it (fp32, C elements)."""
-        if self.reference is None:
-            raise RuntimeError("no reference yet: gather at least once")
-        return self.reference[self.topology.node].float()
+        """diff mode across nodes: this rank's own shard as every rank reconstructs it (fp32, C elements)."""
+        if self._store is None:
+            raise RuntimeError("no reference: gather at least once (one node keeps none)")
+        return self._store.own_values(self.topology.node)
+
+    def new_reference(self, device: torch.device | str | None = None) -> Reference:
+        """A zero reference of this gather's kind and shape (what the first refresh fills)."""
+        return make_reference(
+            self.reference_kind, self.topology.nodes, self.shard_numel, self.spec, self.placement,
+            device if device is not None else self.device,
+        )  # fmt: skip
 
     def state_dict(self) -> dict:
         """This rank's state for checkpoints (restore it with load_state_dict): the reference and
@@ -237,7 +265,12 @@ class WeightGather:
             if state.get(key) != mine:
                 raise ValueError(f"WeightGather state has {key}={state.get(key)!r}, this gather has {mine!r}")
         ref = state["reference"]
-        self.reference = None if ref is None else ref.to(self.device, self.reference_dtype).clone()
+        if ref is not None and not self.holds_reference:
+            raise ValueError("WeightGather state has a reference, but this gather keeps none (one node)")
+        self._store = None
+        if ref is not None:
+            self._store = self.new_reference()
+            self._store.load(ref)
         self.version = int(state["version"])
         self.dirty = bool(state.get("dirty", True))
         if "force_exact" in state:
@@ -273,23 +306,19 @@ class WeightGather:
         """Refreshes the reference when that needs no difference exchange (one node, or an exact
         exchange) and returns None; else returns this rank's encoded row for _refresh_finish."""
         topo, c = self.topology, self.config
-        if self.reference is None:
-            self.reference = torch.zeros((topo.nodes, self.shard_numel), dtype=self.reference_dtype, device=w.device)
+        if self._store is None:
+            self._store = self.new_reference(w.device)
             self.version = 0
         exact = self.version == 0 or self._force_exact or (c.resync_every > 0 and self.version % c.resync_every == 0)
-        if topo.nodes == 1:
-            # One holder and no slow link: the reference is just the shard.
-            self.reference[0] = w
-        else:
-            if not exact and c.verify_every > 0 and self.version % c.verify_every == 0:
-                self._verify()
-            if not exact:
-                # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
-                ref, gen = self._ref[topo.node], self._generator(w.device)
-                with timing.span("weights.encode"):
-                    row, _, _ = encode_rows(self._placed(w), self.spec, ref=self._placed(ref), generator=gen)
-                return row.view(-1)
-            self._exchange_exact(w, wire_dtype)
+        if not exact and c.verify_every > 0 and self.version % c.verify_every == 0:
+            self._verify()
+        if not exact:
+            # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
+            ref, gen = self._ref.placed_row(topo.node), self._generator(w.device)
+            with timing.span("weights.encode"):
+                row, _, _ = encode_rows(self._placed(w), self.spec, ref=ref, generator=gen)
+            return row.view(-1)
+        self._exchange_exact(w, wire_dtype)
         self._refresh_done(w)
         return None
 
@@ -297,10 +326,7 @@ class WeightGather:
         """Applies the gathered rows [nodes, row bytes] of every holder of R_l."""
         with timing.span("weights.decode"):
             # Note: the owner adds the dequantized bytes it sent (not d itself): all copies stay equal.
-            if self.placement is None:
-                decode_rows(rows, self.spec, self.shard_numel, self._ref, add=True)
-            else:
-                self._ref.add_(self._decoded(rows).view(self._ref.shape))
+            self._ref.add(rows)
             # An inf/nan weight poisons R_l (its group decodes to NaN: the gathered weights show
             # it); the refresh after the next mark is exact, so that the reference recovers once
             # the weights are finite again.
@@ -309,10 +335,9 @@ class WeightGather:
         self._refresh_done(w)
 
     def _refresh_done(self, w: torch.Tensor) -> None:
-        topo = self.topology
         if self._rec.sample_due(self.version):
-            own = self._ref[topo.node].float()
-            self._rec.record_error("weights", "inter" if topo.nodes > 1 else "intra", relative_error(own, w))
+            own = self._ref.own_values(self.topology.node)
+            self._rec.record_error("weights", "inter", relative_error(own, w))
         self.version += 1
         self.dirty = False
 
@@ -334,10 +359,10 @@ class WeightGather:
         return full if self.placement is None else self.placement.unpack(full).view(rows.shape[0], -1)
 
     @property
-    def _ref(self) -> torch.Tensor:
-        """The node-resident reference R_l (diff mode, the only mode that has one)."""
-        assert self.reference is not None, "only the diff mode keeps a reference"
-        return self.reference
+    def _ref(self) -> Reference:
+        """The node-resident reference R_l (diff mode across nodes, the only case that keeps one)."""
+        assert self._store is not None, "only the diff mode across nodes keeps a reference"
+        return self._store
 
     def _exchange_exact(self, w: torch.Tensor, wire_dtype: torch.dtype) -> None:
         topo = self.topology
@@ -345,7 +370,7 @@ class WeightGather:
         row = w.to(wire_dtype).view(torch.uint8)
         with timing.span("comm.weights"):
             rows, _ = all_gather_rows(row, topo.inter_group)
-        self._ref.copy_(rows.view(wire_dtype).float())
+        self._ref.set(rows.view(wire_dtype).float())
         self._force_exact = False
         self._record_refresh(row.numel())
 
@@ -367,7 +392,7 @@ class WeightGather:
         of them take the same decision."""
         topo = self.topology
         with timing.span("comm.weights"):
-            sums, _ = all_gather_rows(_checksum(self._ref), topo.inter_group)
+            sums, _ = all_gather_rows(_checksum(self._ref.tensor), topo.inter_group)
         self._rec.record("weights", "inter", bytes=(topo.nodes - 1) * 16, elements=0)
         self._verified_sums = sums
         self._mismatched.raise_if(sums != sums[0])
@@ -388,30 +413,41 @@ class WeightGather:
             self._force_exact = True
         self._verified_sums = None
 
-    def _gather_reference(self, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
-        # Note: copy=True: the output must never alias the reference (the next refresh edits it).
-        src = self._ref.to(dtype, copy=True).reshape(-1)
-        with timing.span("comm.weights"):
-            rows, _ = all_gather_rows(src, self.topology.intra_group)  # [L, nodes * C]
-        return self._place_reference(rows, into)
+    def _node_payload(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """diff mode: what this rank sends in the node's all-gather (1-D): its R_l, or on one
+        node (no reference) its shard in the output dtype."""
+        if self.holds_reference:
+            return self._ref.payload(dtype)
+        self.dirty = False  # every gather reads the shard: there is nothing to refresh
+        return self._shard_copy(shard, dtype)
 
-    def _place_reference(self, rows: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The gathered references [L, nodes * C] of the node's ranks -> the bucket in global
-        order (into `into` when given)."""
+    def _gather_node(self, payload: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
+        direct = into if not self.holds_reference and into is not None and into.dtype == dtype else None
+        with timing.span("comm.weights"):
+            rows, _ = all_gather_rows(payload, self.topology.intra_group, out=direct)  # [L, payload]
+        return self._place_gathered(rows, dtype, into)
+
+    def _place_gathered(self, rows: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The node's gathered payloads [L, payload] -> the bucket in global order (into `into`
+        when given)."""
         topo = self.topology
         L, nodes, C = topo.ranks_per_node, topo.nodes, self.shard_numel
         if L > 1:
-            itemsize = rows.element_size()
             valid = sum(self._valid[n * L + topo.local_rank] for n in range(nodes))
             self._rec.record(
                 "weights",
                 "intra",
-                bytes=(L - 1) * nodes * C * itemsize,
+                bytes=(L - 1) * rows.shape[1] * rows.element_size(),
                 elements=(L - 1) * valid,
-                baseline_bytes=(L - 1) * valid * itemsize,
+                baseline_bytes=(L - 1) * valid * dtype.itemsize,
             )
+        if not self.holds_reference:  # one node: the shards in rank order already
+            if into is not None and rows.data_ptr() == into.data_ptr():
+                return into
+            full = rows.reshape(-1)
+            return full if into is None else into.copy_(full)
         # [L, nodes, C] -> global order [nodes, L, C]: chunk n * L + l.
-        ordered = rows.view(L, nodes, C).transpose(0, 1)
+        ordered = self._ref.unpack_gathered(rows, dtype).transpose(0, 1)
         if into is None:
             return ordered.reshape(-1)
         into.view(nodes, L, C).copy_(ordered)

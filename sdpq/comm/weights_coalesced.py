@@ -3,9 +3,9 @@
 ZeRO-3 fetches a module's parameters together, but each parameter is its own bucket (its own
 reference: prefetching changes which parameters travel together, so the parameter is the only
 stable unit). Gathered one by one, a fetch of k parameters costs 2k collectives; here the
-pending difference rows of all k travel in one inter-node all-gather and their references in one
-intra-node all-gather. Every byte, every rounding and every statistic is the one-by-one gather's:
-only the number of collectives changes.
+pending difference rows of all k travel in one inter-node all-gather and their node payloads
+(references, or on one node the shards) in one intra-node all-gather. Every byte, every rounding
+and every statistic is the one-by-one gather's: only the number of collectives changes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def _coalescible(gathers: Sequence[WeightGather], outs: Sequence[torch.Tensor]) 
     return (
         len(gathers) > 1
         and all(g.config.mode == "diff" and g.topology is first.topology for g in gathers)
+        and all(g.reference_kind == first.reference_kind for g in gathers)
         and all(o.dtype == outs[0].dtype for o in outs)
     )
 
@@ -51,7 +52,7 @@ def gather_coalesced(
         # gather without a refresh sends its reference only and never reads its shard.
         pending = []
         for g, s in zip(gathers, shards):
-            if not g.dirty:
+            if not (g.holds_reference and g.dirty):
                 g._check_shard(s)
                 continue
             w = g._shard_copy(s, torch.float32)
@@ -65,17 +66,14 @@ def gather_coalesced(
             for g, w, row in pending:
                 g._refresh_finish(w, rows[:, at : at + row.numel()])
                 at += row.numel()
-        # References: one intra-node all-gather of every bucket's R_l in the output dtype.
-        refs = [g._ref for g in gathers]
-        sizes = [r.numel() for r in refs]
-        src = torch.empty(sum(sizes), dtype=dtype, device=refs[0].device)
-        for ref, part in zip(refs, src.split(sizes)):
-            part.view_as(ref).copy_(ref)  # a copy: the output never aliases R_l
+        # One intra-node all-gather of every bucket's payload (its R_l, or its shard on one node).
+        payloads = [g._node_payload(s, dtype) for g, s in zip(gathers, shards)]
+        sizes = [p.numel() for p in payloads]
         with timing.span("comm.weights"):
-            rows, _ = all_gather_rows(src, topo.intra_group)
+            rows, _ = all_gather_rows(torch.cat(payloads), topo.intra_group)
         at = 0
         for g, n, out in zip(gathers, sizes, outs):
             direct = out.numel() == g.padded_numel and out.is_contiguous()
-            full = g._place_reference(rows[:, at : at + n], out.view(-1) if direct else None)
+            full = g._place_gathered(rows[:, at : at + n], dtype, out.view(-1) if direct else None)
             g._output(full, out)
             at += n

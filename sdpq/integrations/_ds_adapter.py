@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from .._memprobe import hook_span
 from ..comm import CommStats, GradReduceScatter, Topology, WeightGather, gather_coalesced
 from ..comm.agreement import agreement_batch, check_agreement
 from ..comm.hotpath import hot_path
@@ -143,6 +144,13 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             wg = self.weights.get(p.ds_id)
             if wg is not None:
                 wg.mark_weights_changed(exact=exact)
+
+    def held_tensors(self):
+        """(kind, tensor) of everything sdpq keeps for this engine between steps (sdpq.memory)."""
+        for wg in self.weights.values():
+            yield from wg.held_tensors()
+        for rs in self.grads.values():
+            yield from rs.held_tensors()
 
     def remove(self) -> None:
         """Undo every hook (DeepSpeed behaves as if sdpq was never installed). Idempotent."""
@@ -246,7 +254,9 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             # copied to the accelerator first; the gathered parameter lives there.
             shards.append(shard.narrow(0, 0, valid).to(device))
             outs.append(torch.empty(p.ds_numel, dtype=shard.dtype, device=device))
-        gather_coalesced(gathers, shards, outs)
+        # Note: the outputs are the gathered parameters DeepSpeed keeps; the span measures sdpq's own.
+        with hook_span("zero3.all_gather", device):
+            gather_coalesced(gathers, shards, outs)
         for p, out in zip(params, outs):
             p.data = out.view(p.ds_shape)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._memprobe import hook_span
 from ..comm import GradReduceScatter
 from ..comm.agreement import agreed_at_setup
 from ..comm.hotpath import hot_path
@@ -91,7 +92,7 @@ class GradientsMixin(AdapterState):
 
     def _reduce_scatter_coalesced(self, key, tensors, group):
         """DeepSpeed's reduce_scatter_coalesced (same layout, same averaging) on sdpq's collective."""
-        with hot_path("DeepSpeed ZeRO-3 gradient reduce-scatter"):
+        with hot_path("DeepSpeed ZeRO-3 gradient reduce-scatter"), hook_span("zero3.reduce_scatter", tensors[0].device):
             return self._reduce_scatter_bucket(key, tensors, group)
 
     def _reduce_scatter_bucket(self, key, tensors, group):

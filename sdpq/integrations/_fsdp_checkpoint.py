@@ -50,14 +50,12 @@ def _has_residual(rs: GradReduceScatter) -> bool:
 
 def _save_weights(wg: WeightGather, p: str, out: dict[str, torch.Tensor]) -> None:
     s = wg.state_dict()
-    if wg.config.mode == "diff":
+    if wg.holds_reference:
         ref = s["reference"]
         # Note: before the first gather there is no reference yet; a zero placeholder of the right
         # shape (version -1) keeps the saved keys and shapes independent of history.
         out[p + "weights.version"] = torch.tensor(s["version"] if ref is not None else -1, dtype=torch.int64)
-        out[p + "weights.reference"] = (
-            ref if ref is not None else torch.zeros((wg.topology.nodes, wg.shard_numel), dtype=wg.reference_dtype)
-        )
+        out[p + "weights.reference"] = ref if ref is not None else wg.new_reference("cpu").tensor
     if s["generator"] is not None:
         out[p + "weights.rng"] = s["generator"]
 
@@ -78,7 +76,7 @@ def _weights_state(wg: WeightGather, p: str, state: Mapping[str, torch.Tensor]) 
     purpose: the weights were loaded too, so the next gather refreshes (a quantized difference
     against the restored reference), as the uninterrupted run's next gather would."""
     s = {"mode": wg.config.mode, "layout": wg.topology.layout, "numel": wg.numel, "version": 0, "reference": None}
-    if wg.config.mode == "diff":
+    if wg.holds_reference:
         version = int(state[p + "weights.version"])
         if version >= 0:  # -1: saved before the first gather
             s.update(version=version, reference=state[p + "weights.reference"])
@@ -133,13 +131,20 @@ def _other_layout(template: Mapping[str, torch.Tensor], checkpoint_id, group) ->
 
     reader = FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
     saved = {k: getattr(m, "size", None) for k, m in reader.read_metadata().state_dict_metadata.items()}
-    problem = None
+    problem, nest = None, None
     for key, t in template.items():
         # The caller nests our dict under a key of its choice: DCP stores "<their key>.<ours>".
-        hits = [size for k, size in saved.items() if size is not None and (k == key or k.endswith("." + key))]
-        if not hits or tuple(hits[0]) != tuple(t.shape):
-            problem = f"{key}: saved {tuple(hits[0]) if hits else 'nothing'}, this run {tuple(t.shape)}"
+        hits = [(k, size) for k, size in saved.items() if size is not None and (k == key or k.endswith("." + key))]
+        if not hits or tuple(hits[0][1]) != tuple(t.shape):
+            problem = f"{key}: saved {tuple(hits[0][1]) if hits else 'nothing'}, this run {tuple(t.shape)}"
             break
+        nest = hits[0][0][: len(hits[0][0]) - len(key)]
+    if problem is None and nest is not None:
+        # State this layout does not keep (a weight reference saved across nodes, resumed on one).
+        mine = f"{nest}rank{dist.get_rank()}."
+        extra = sorted(k for k in saved if k.startswith(mine) and k[len(nest) :] not in template)
+        if extra:
+            problem = f"{extra[0][len(nest) :]}: saved, but this run keeps no such state"
     bad = torch.tensor([1 if problem else 0], dtype=torch.int64, device=group_device(group))
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if not bad.item():

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._memprobe import hook_span
 from ..comm import CommStats, GradAllReduce, GradReduceScatter, Topology, TopologyError, WeightGather
 from ..comm.hotpath import hot_path
 from ..comm.segments import sharded_segments
@@ -165,6 +166,17 @@ class ModuleComms:
                 "or reshard_after_forward after sdpq.fsdp.apply? call remove() and apply() again)"
             )
 
+    def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(kind, tensor) of everything sdpq keeps for this module between steps (sdpq.memory)."""
+        yield from self.weights.held_tensors()
+        for rs in self.gradients.values():
+            yield from rs.held_tensors()
+        for ar in self.replicas.values():
+            yield from ar.held_tensors()
+        for residual in self._partial_residuals.values():
+            if residual is not None:
+                yield "error_feedback", residual
+
     def shard_versions(self) -> tuple:
         # Note: in-place updates of a sharded DTensor parameter (optimizer step, DCP
         # set_model_state_dict, mul_/copy_ by hand) bump the DTensor's own version counter (not its
@@ -185,7 +197,7 @@ class SdpqAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        with hot_path("FSDP2 all-gather hook"):
+        with hot_path("FSDP2 all-gather hook"), hook_span("fsdp2.all_gather", output_tensor.device):
             return self._gather(output_tensor, input_tensor, group)
 
     def _gather(self, output_tensor, input_tensor, group):
@@ -198,7 +210,7 @@ class SdpqAllGather(AllGather):
                 "subclasses with fsdp_pre_all_gather, e.g. fp8 all-gather, are not supported)"
             )
         wg = c.weights
-        if wg.config.mode == "diff":
+        if wg.holds_reference:
             versions = c.shard_versions()
             if wg.dirty:
                 c._versions = versions
@@ -226,7 +238,7 @@ class SdpqReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        with hot_path("FSDP2 reduce-scatter hook"):
+        with hot_path("FSDP2 reduce-scatter hook"), hook_span("fsdp2.reduce_scatter", output_tensor.device):
             return self._reduce_scatter(output_tensor, input_tensor, group, op)
 
     def _reduce_scatter(self, output_tensor, input_tensor, group, op):
@@ -249,7 +261,7 @@ class SdpqAllReduceHook:
         self.comms = comms
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
-        with hot_path("FSDP2 all-reduce hook"):
+        with hot_path("FSDP2 all-reduce hook"), hook_span("fsdp2.all_reduce", reduce_output.device):
             self._all_reduce(reduce_output)
 
     def _all_reduce(self, reduce_output: torch.Tensor) -> None:

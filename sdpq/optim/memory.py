@@ -1,21 +1,18 @@
-"""Measured optimizer memory: bytes per parameter of the tensors that exist, and the peak of
-the allocations made during one step()."""
+"""Measured optimizer memory: bytes per parameter of the tensors that exist, and (`measure_peak`,
+from sdpq._memprobe) the peak of the allocations made during one step()."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._memprobe import measure_peak
 from .layout import local
 from .states import is_metadata_key
 
-__all__ = ["memory_report", "measure_peak"]
+__all__ = ["memory_report", "measure_peak", "state_tensors"]
 
 KINDS = ("weights", "master", "states", "metadata")
 
@@ -44,6 +41,13 @@ def _state_tensors(optimizer) -> Iterable[tuple[str, object, Tensor]]:
                 for v in values:
                     if isinstance(v, Tensor):
                         yield key, p, local(v)
+
+
+def state_tensors(optimizer) -> Iterable[tuple[str, Tensor]]:
+    """(kind, tensor) of every tensor the optimizer keeps: "master" (MCF compensation),
+    "states" (moments) or "metadata" (FP8 scales, k, gm; step counters)."""
+    for key, _, t in _state_tensors(optimizer):
+        yield _kind(key, t), t
 
 
 def memory_report(optimizer, extra_weights: Iterable[Tensor] = ()) -> dict:
@@ -77,70 +81,3 @@ def memory_report(optimizer, extra_weights: Iterable[Tensor] = ()) -> dict:
     report: dict[str, Any] = dict(numel=numel, **out, total=total, bytes_per_param=total / max(numel, 1))
     report["per_param"] = {k: out[k] / max(numel, 1) for k in KINDS}
     return report
-
-
-class _mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_size_t)
-        for n in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def _heap_in_use() -> Callable[[], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        fn = libc.mallinfo2
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.restype = _mallinfo2
-
-    def in_use() -> int:
-        m = fn()
-        return m.uordblks + m.hblkhd  # heap chunks in use + mmapped chunks (large tensors)
-
-    return in_use
-
-
-class _Sampler(TorchDispatchMode):
-    def __init__(self, in_use: Callable[[], int]):
-        super().__init__()
-        self.in_use = in_use
-        self.base = in_use()
-        self.peak = self.base
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, self.in_use())
-        return out
-
-
-def measure_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> tuple[object, int | None]:
-    """(fn(), peak bytes allocated above the level at the call) - measured, not estimated.
-
-    CUDA: the caching allocator's peak. CPU: glibc's heap in use (mallinfo2), sampled after
-    every aten operation; None where glibc is not available."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        return result, torch.cuda.max_memory_allocated(device) - base
-    in_use = _heap_in_use()
-    if in_use is None:
-        return fn(), None
-    with _Sampler(in_use) as sampler:
-        result = fn()
-    return result, sampler.peak - sampler.base

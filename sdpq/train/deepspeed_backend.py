@@ -37,6 +37,7 @@ from .run import (
     gather_step_timing,
     lr_at,
     median_step_seconds,
+    memory_tracking,
     step_timing,
     validation_loss,
 )
@@ -266,7 +267,8 @@ def _train(
     adapter = sdpq_ds.get_adapter(engine)
     start = _resume(spec, engine)
     comm_stats.reset()
-    local, times, spans = _run_steps(spec, engine, data, start, rank, device, schedule="scheduler" not in config)
+    with memory_tracking(spec, engine) as memory:  # ZeRO-3's gradient partitions persist
+        local, times, spans = _run_steps(spec, engine, data, start, rank, device, schedule="scheduler" not in config)
     summed = local.nan_to_num(0.0)
     dist.all_reduce(summed)  # one collective for the whole loss curve
     curve = (summed / world).tolist()
@@ -296,6 +298,8 @@ def _train(
         extra["timing"] = gather_step_timing(spans, world)
     if checks:
         extra.update(_check_records(engine, adapter))
+    if memory is not None:
+        extra["memory"] = memory
     result = RunResult(
         losses=losses,
         val_loss=val,

@@ -41,6 +41,7 @@ from .run import (
     gather_step_timing,
     lr_at,
     median_step_seconds,
+    memory_tracking,
     step_timing,
     validation_loss,
 )
@@ -395,10 +396,13 @@ def train(
     if replicate is not None and spec.sdpq is None:
         raise ValueError("fsdp_backend.train: replicate needs an sdpq block (plain HSDP: a 2-D mesh)")
     start = _resume(spec, model, opt)
-    steps = _run_steps(spec, model, opt, data, start, checks, device)
+    with memory_tracking(spec, model, opt, spec.steps - start) as memory:
+        steps = _run_steps(spec, model, opt, data, start, checks, device)
     val = validation_loss(model, data, spec, rank, world, device)
 
     result = _result(spec, model, opt, opt_name, cfg, mp_policy, steps, val, start, checks, device)
+    if memory is not None:
+        result.extra["memory"] = memory
     if cfg is not None:
         sdpq_fsdp.remove(model)
     return result

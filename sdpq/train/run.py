@@ -63,6 +63,9 @@ class RunSpec:
     eval_batches: int = 8
     log_every: int = 10
     timing: bool = False  # per-step time spans (sdpq.comm.timing) in RunResult.extra["timing"]
+    # sdpq.memory's report after the last step (sdpq's hooks' transient peaks measured during the
+    # steps) and the bytes of every live tensor, in RunResult.extra["memory"] (slows the steps).
+    measure_memory: bool = False
     # Without an sdpq block: "exact" counts cross-node bytes with sdpq's exact collectives
     # (bitwise the framework's own, see settings.EXACT); "off" runs the framework alone ("not
     # counted"). python -m sdpq.train defaults to "exact"; library callers keep the plain framework.
@@ -195,6 +198,41 @@ def step_timing(spec: RunSpec, comm_modules=()):
             u()
         timing.enable(prev)
         timing.reset()
+
+
+@contextlib.contextmanager
+def memory_tracking(spec: RunSpec, target, optimizer=None, steps: int = 0):
+    """With spec.measure_memory: yields a dict that holds, after the block, this rank's
+    sdpq.memory report (with the transient peak of every sdpq hook run inside the block) and the
+    bytes of every live tensor, taken just before the `steps`-th step of `optimizer` (the
+    gradients are alive then), or at the end of the block without one. Else yields None."""
+    if not spec.measure_memory:
+        yield None
+        return
+    from .. import memory
+
+    out: dict = {}
+    with memory.transients() as peaks:
+
+        def take(*_) -> None:
+            out.update(report=memory.report(target, optimizer, transients=peaks).as_dict())
+            out["live_bytes"] = memory.live_tensor_bytes()
+
+        calls = [0]
+
+        def before_step(*_) -> None:
+            calls[0] += 1
+            if calls[0] == steps:
+                take()
+
+        handle = optimizer.register_step_pre_hook(before_step) if optimizer is not None else None
+        try:
+            yield out
+        finally:
+            if handle is not None:
+                handle.remove()
+        if not out:
+            take()
 
 
 def gather_step_timing(per_step: list[dict], world: int) -> list:

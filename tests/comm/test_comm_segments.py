@@ -195,7 +195,10 @@ def _weights(ctx, aligned: bool):
     topo = Topology.build(ctx.ranks_per_node)
     norm, matrix = 64, 8192  # a norm weight's shard, then a matrix's
     segs = [Segment(0, norm), Segment(norm, matrix, 256)]
-    wg = WeightGather((norm + matrix) * ctx.world_size, topo, WeightsConfig(), segments=segs if aligned else None)
+    # An fp32 reference: what is measured is the difference's quantizer (a bf16 one would round
+    # the norm's 1e-4 moves away, as bf16 compute weights do).
+    cfg = WeightsConfig(reference="fp32")
+    wg = WeightGather((norm + matrix) * ctx.world_size, topo, cfg, segments=segs if aligned else None)
     g = torch.Generator().manual_seed(ctx.rank)
     w = torch.randn(norm + matrix, generator=g)
     wg.gather(w)  # the first refresh is exact

@@ -39,6 +39,17 @@ def _step_bound(d: torch.Tensor, N: int, C: int, G: int, qmax: int) -> torch.Ten
     return s.reshape(-1)[: d.numel()]
 
 
+def _storage_bound(out: torch.Tensor, kind: str, N: int, C: int) -> torch.Tensor:
+    """What storing the reconstruction in `kind` may add to its error, per element: half a bf16
+    ulp, or half a step of the int8 reference's groups of 128 (within each shard)."""
+    v = out.float()
+    if kind == "bf16":
+        return v.abs() * 2**-8
+    if kind == "int8":
+        return _step_bound(v, N, C, 128, 127) * 0.5 * (1 + 2**-20)
+    return torch.zeros_like(v)
+
+
 def _gather_walk(ctx, numel, cfg_kwargs, steps, lr, dtype):
     topo = Topology.build(ctx.ranks_per_node)
     rec = CommStats()
@@ -60,7 +71,10 @@ def _gather_walk(ctx, numel, cfg_kwargs, steps, lr, dtype):
         errs.append(float(err.max()))
         exact.append(bool(torch.equal(out.float(), wt)))
         if cfg.mode == "diff" and t > 0:
+            # One step of the difference's quantizer (d = the weights minus the last reconstruction)
+            # plus what the reference's storage rounds.
             bound = _step_bound(wt - prev, N, C, cfg.group_size, (1 << (cfg.bits - 1)) - 1)
+            bound = bound + _storage_bound(out, cfg.reference, N, C)
             step_ratios.append(float((err / bound.clamp_min(1e-30)).max()))
         elif cfg.mode == "direct":
             bound = _step_bound(wt, N, C, cfg.group_size, 127)
@@ -73,13 +87,22 @@ def _gather_walk(ctx, numel, cfg_kwargs, steps, lr, dtype):
         "exact": exact,
         "stats": rec.as_dict(),
         "rel": float((out.float() - wt).norm() / wt.norm()),
+        "reference_bytes": wg.reference_bytes,
+        "reference_kind": wg.reference_kind,
     }
 
 
-@pytest.mark.parametrize("nodes,rpn", LAYOUTS, ids=IDS)
-def test_diff_no_drift_over_200_steps(dist, nodes, rpn):
+def _diff_cases():
+    """Every layout with the default (bf16) reference; the fp32 and int8 ones on two layouts."""
+    cases = [pytest.param(n, l, "bf16", id=f"{n}x{l}-bf16") for n, l in LAYOUTS]
+    return cases + [pytest.param(n, l, k, id=f"{n}x{l}-{k}") for k in ("fp32", "int8") for n, l in [(2, 2), (4, 1)]]
+
+
+@pytest.mark.parametrize("nodes,rpn,reference", _diff_cases())
+def test_diff_no_drift_over_200_steps(dist, nodes, rpn, reference):
     N = nodes * rpn
-    res = dist.run(_gather_walk, N, rpn, 4096 * N, {"mode": "diff"}, 200, 1e-3, torch.float32)
+    cfg = {"mode": "diff", "reference": reference}
+    res = dist.run(_gather_walk, N, rpn, 4096 * N, cfg, 200, 1e-3, torch.float32)
     assert all(r["digests"] == res[0]["digests"] for r in res)  # bitwise identical on every rank
     r = res[0]
     if nodes > 1:
@@ -87,14 +110,43 @@ def test_diff_no_drift_over_200_steps(dist, nodes, rpn):
         early, late = max(r["errs"][1:21]), max(r["errs"][-20:])
         assert late <= 2 * early  # no drift
         print(
-            f"{nodes}x{rpn} diff: max |recon - w| steps 1-20 {early:.3g}, 181-200 {late:.3g}, "
+            f"{nodes}x{rpn} diff ({reference}): max |recon - w| steps 1-20 {early:.3g}, 181-200 {late:.3g}, "
             f"max err/step {max(r['ratios']):.3f}, final rel err {r['rel']:.3g}"
         )
         inter = r["stats"]["weights"]["inter"]["bits_per_element"]
         assert inter <= 4.02
         print(f"{nodes}x{rpn} weights inter-node {inter:.4f} bits/elem")
+        # R_l: nodes shards of 4096 elements, in the storage asked for.
+        per_element = {"bf16": 2, "fp32": 4, "int8": 1 + 4 / 128}[reference]
+        assert r["reference_bytes"] == nodes * 4096 * per_element
     else:
-        assert all(r["exact"])  # one node: no slow link, the reference is the shard itself
+        assert all(r["exact"])  # one node: no slow link and no reference, the exact gather
+        assert r["reference_bytes"] == 0
+
+
+@pytest.mark.parametrize("reference", ["bf16", "int8"])
+def test_diff_no_drift_over_1200_refreshes(dist, reference):
+    """The storage's rounding (bf16, or int8 groups) is fed into the next difference: the error
+    stays within one refresh's bound for 1200 refreshes, and does not grow."""
+    cfg = {"mode": "diff", "reference": reference}
+    res = dist.run(_gather_walk, 4, 2, 1024 * 4, cfg, 1200, 1e-3, torch.float32, timeout=120)
+    assert all(r["digests"] == res[0]["digests"] for r in res)
+    r = res[0]
+    assert max(r["ratios"]) <= 1.0
+    early, late = max(r["errs"][1:101]), max(r["errs"][-100:])
+    assert late <= 1.25 * early
+    print(f"{reference}: 1200 refreshes, max |recon - w| 1-100 {early:.3g}, 1101-1200 {late:.3g}, rel {r['rel']:.3g}")
+
+
+def test_int8_reference_halves_the_node_gather(dist):
+    """The int8 reference's rows are what the node's all-gather sends: 8 + 32/128 bits per
+    element against the 16 of bf16 (the compute dtype here)."""
+    cfg = {"mode": "diff", "reference": "int8"}
+    res = dist.run(_gather_walk, 4, 2, 4096 * 4, cfg, 5, 1e-3, torch.bfloat16)
+    assert all(r["digests"] == res[0]["digests"] for r in res)
+    intra = res[0]["stats"]["weights"]["intra"]
+    assert intra["bits_per_element"] == pytest.approx(8.25)
+    assert intra["baseline_bits_per_element"] == 16
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -139,9 +191,10 @@ def test_diff_bf16_compute_dtype(dist):
     assert max(res[0]["ratios"]) <= 1.0
 
 
-def _save_restore(ctx, numel, save_at, steps, rounding="nearest", mode="diff"):
+def _save_restore(ctx, numel, save_at, steps, rounding="nearest", mode="diff", reference="auto"):
     topo = Topology.build(ctx.ranks_per_node)
-    cfg = WeightsConfig(verify_every=4, rounding=rounding, mode=mode, bits=4 if mode == "diff" else 8)
+    bits = 4 if mode == "diff" else 8
+    cfg = WeightsConfig(verify_every=4, rounding=rounding, mode=mode, bits=bits, reference=reference)
     ws = _walk(numel, steps, 1e-3)
     wg = WeightGather(numel, topo, cfg, record_to=CommStats())
     C = wg.shard_numel
@@ -171,6 +224,12 @@ def test_reference_survives_save_restore(dist, nodes, rpn, rounding):
     for ref, restored in dist.run(_save_restore, nodes * rpn, rpn, 2048 * nodes * rpn, 10, 20, rounding):
         # Bitwise the uninterrupted run: the restored reference (and rounding stream) continues.
         assert ref == restored and len(ref) == 9
+
+
+@pytest.mark.parametrize("reference", ["bf16", "int8"])
+def test_narrow_reference_survives_save_restore(dist, reference):
+    for ref, restored in dist.run(_save_restore, 4, 2, 2048 * 4, 5, 12, "nearest", "diff", reference):
+        assert ref == restored and len(ref) == 6
 
 
 def test_direct_stochastic_stream_survives_save_restore(dist):

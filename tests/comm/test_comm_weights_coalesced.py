@@ -99,6 +99,23 @@ def test_coalesced_equals_one_by_one_in_two_collectives(dist, rounding):
         assert many[0]["calls"][t] == 2 + extra
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_int8_reference_and_one_node_coalesce(dist, padded):
+    """The int8 reference (its 8-bit rows are the node payload) and one node (no reference: the
+    shards are the payload) coalesce too, bitwise the one-by-one gathers, one collective per link."""
+    k = len(SIZES)
+    for cfg, rpn, per_step in [({"mode": "diff", "reference": "int8"}, 2, 2), ({"mode": "diff"}, 4, 1)]:
+        one = dist.run(_run, 4, rpn, False, cfg, 3, torch.bfloat16, padded)
+        many = dist.run(_run, 4, rpn, True, cfg, 3, torch.bfloat16, padded)
+        for a, b in zip(one, many):
+            assert a["digests"] == b["digests"] and a["refs"] == b["refs"]
+            assert json.dumps(a["stats"], sort_keys=True) == json.dumps(b["stats"], sort_keys=True)
+        assert all(r["digests"] == many[0]["digests"] for r in many)
+        assert one[0]["calls"][1:] == [per_step * k] * 2 and many[0]["calls"][1:] == [per_step] * 2
+        if rpn == 4:
+            assert many[0]["refs"] == [None] * k  # one node keeps no reference
+
+
 def test_padded_outputs_and_fallbacks(dist):
     # A padded output takes the node-interleaved rows directly; exact mode is not coalesced.
     one = dist.run(_run, 4, 2, False, {"mode": "diff"}, 3, torch.float32, True)
