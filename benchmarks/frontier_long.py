@@ -35,15 +35,24 @@ TAG = "[frontier_long]"
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", required=True, help="names like w3-g3, comma-separated (see frontier.py)")
+    add_study_arguments(ap, "frontier_long.json")
+    args = ap.parse_args(argv)
+    settings = frontier.parse_settings(args.settings)
+    return run_arms({name: arm for name, arm in frontier.arms(settings).items() if name != "baseline"}, args)
+
+
+def add_study_arguments(ap: argparse.ArgumentParser, out_name: str) -> None:
     ap.add_argument("--frameworks", default="fsdp2,zero3")
     ap.add_argument("--study", default=str(ROOT / "benchmarks" / "results" / "convergence_long.json"))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontier_long.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / out_name))
     ap.add_argument("--timeout", type=float, default=2 * 3600)
-    args = ap.parse_args(argv)
+
+
+def run_arms(arms: dict, args: argparse.Namespace) -> int:
+    """Run `arms` ({name: (block, bf16 parameters)}) on the study's protocol, next to its baseline
+    and default arms; write args.out and print the summary."""
     study = json.loads(Path(args.study).read_text())
     proto = argparse.Namespace(**{**study["args"], "timeout": args.timeout})  # the study's protocol
-    settings = frontier.parse_settings(args.settings)
-    arms = {name: arm for name, arm in frontier.arms(settings).items() if name != "baseline"}
     fws = [f for f in args.frameworks.split(",") if f]
     out = Path(args.out)
     parts = out.with_suffix(".parts")
