@@ -128,6 +128,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         check_pack.add_arguments(pack_p)
         pack_p.set_defaults(func=check_pack.main)
 
+    pl = sub.add_parser("plan", help="per-GPU memory, cross-node bytes and step time of each configuration")
+    if full("plan"):
+        from . import plan
+
+        plan.add_arguments(pl)
+        pl.set_defaults(func=plan.main)
+
     d = sub.add_parser("demo", help="the end-to-end demo (4 CPU ranks, 2 simulated nodes)")
     if full("demo"):
         from . import demo

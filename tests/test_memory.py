@@ -5,7 +5,11 @@ attributes to sdpq; on one node and with HSDP that is no weight reference at all
 import pytest
 import torch
 
+from sdpq.config import Config
 from sdpq.memory import KINDS, MemoryReport, report
+from sdpq.plan import Arm, rank_memory
+from sdpq.plan.shapes import from_config
+from sdpq.train.model import GPTConfig
 
 WORLD = 4
 # torch's AdamW in both arms: the difference between them is sdpq's collectives alone.
@@ -21,13 +25,15 @@ def dist(dist):
     return dist
 
 
+MODEL = GPTConfig(n_layer=2, n_head=4, d_model=128, seq_len=32)
+
+
 def _spec(ctx, block, backend="fsdp2", **kw):
-    from sdpq.train.model import GPTConfig
     from sdpq.train.run import RunSpec
 
     base = dict(
         backend=backend,
-        model=GPTConfig(n_layer=2, n_head=4, d_model=128, seq_len=32),
+        model=MODEL,
         sdpq=block,
         steps=2,
         micro_batch=2,
@@ -67,6 +73,17 @@ def _zero3_arm(ctx, block):
     return train(_spec(ctx, block, "deepspeed", bf16=True)).extra["memory"]
 
 
+def _check_plan(measured: list[dict], framework: str, nodes: int, per_node: int, block) -> None:
+    """`sdpq plan`'s figures for this layout: every kind within 5% of the measured one, per rank."""
+    arm = Arm("x", None if block is None else Config.from_dict(block))
+    units = from_config(MODEL).units
+    for rank, m in enumerate(measured):
+        got = m["report"]["bytes"]
+        want = rank_memory(units, framework, nodes, per_node, arm, rank=rank)
+        for kind, planned in want.items():
+            assert abs(planned - got[kind]) <= 0.05 * max(got[kind], 1), (rank, kind, planned, got[kind])
+
+
 def _check_against_live(plain: dict, with_sdpq: dict) -> MemoryReport:
     rep = MemoryReport(with_sdpq["report"]["bytes"], with_sdpq["report"]["model_numel"])
     base = MemoryReport(plain["report"]["bytes"], plain["report"]["model_numel"])
@@ -81,6 +98,8 @@ def _check_against_live(plain: dict, with_sdpq: dict) -> MemoryReport:
 def test_fsdp2_memory_is_the_live_tensors(dist, rpn):
     res = dist.run(_fsdp_arms, WORLD, rpn, False, timeout=120)
     nodes = WORLD // rpn
+    _check_plan([r[0] for r in res], "fsdp2", nodes, rpn, None)
+    _check_plan([r[1] for r in res], "fsdp2", nodes, rpn, BLOCK)
     for plain, with_sdpq in res:
         rep = _check_against_live(plain, with_sdpq)
         ref = rep.per_param["weight_reference"]
@@ -96,7 +115,10 @@ def test_fsdp2_memory_is_the_live_tensors(dist, rpn):
 
 
 def test_hsdp_keeps_no_reference(dist):
-    for plain, with_sdpq in dist.run(_fsdp_arms, WORLD, 2, True, timeout=120):
+    res = dist.run(_fsdp_arms, WORLD, 2, True, timeout=120)
+    _check_plan([r[0] for r in res], "hsdp", 2, 2, None)  # FSDP2's own (2-D mesh) HSDP
+    _check_plan([r[1] for r in res], "hsdp", 2, 2, BLOCK)
+    for plain, with_sdpq in res:
         rep = _check_against_live(plain, with_sdpq)
         assert rep.bytes["weight_reference"] == 0 and rep.bytes["error_feedback"] == 0
 
@@ -106,7 +128,10 @@ def test_zero3_memory_is_the_live_tensors(dist):
     # the run, so a second engine's process would still hold the first one's tensors.
     plains = dist.run(_zero3_arm, WORLD, 2, None, timeout=180)
     dist.discard(WORLD)
-    for plain, with_sdpq in zip(plains, dist.run(_zero3_arm, WORLD, 2, BLOCK, timeout=180)):
+    sdpqs = dist.run(_zero3_arm, WORLD, 2, BLOCK, timeout=180)
+    _check_plan(plains, "zero3", 2, 2, None)
+    _check_plan(sdpqs, "zero3", 2, 2, BLOCK)
+    for plain, with_sdpq in zip(plains, sdpqs):
         rep = _check_against_live(plain, with_sdpq)
         assert 2 / 2 <= rep.per_param["weight_reference"] <= 1.05
         assert rep.bytes["master"] > 0  # ZeRO-3's fp32 partitions

@@ -1,0 +1,196 @@
+"""`sdpq plan`: per-GPU memory by kind, cross-node bytes per step and a predicted step time for
+plain bf16 training, DeepSpeed ZeRO++ and sdpq's configurations, before launch; and the
+configuration with the fewest cross-node bytes that fits in the GPU's memory.
+
+    sdpq plan --preset 70b --nodes 8 --gpus-per-node 8 --gpu-memory 80 --link-gbit 400 --framework zero3
+
+The memory of each kind is computed from the model's parameter shapes as sdpq.train's setups
+keep it (`sdpq/plan/memory.py`), the figure `sdpq.memory.report` measures on a live run
+(`benchmarks/plan_check.py` compares them); bytes and times come from `sdpq bench scaling`'s
+model (`sdpq/plan/traffic.py`). Activations are not planned: `--reserve` keeps a share of the
+GPU's memory for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass, field, replace
+
+from ..bench.scaling_model import Constants
+from ..config import Config
+from .memory import FRAMEWORKS, Arm, rank_memory
+from .shapes import PRESETS, ModelShape, from_config, from_hf_config, from_params
+from .traffic import Link, cross_node_bytes, step_seconds
+
+__all__ = ["Arm", "Link", "PlanRow", "arms_for", "plan", "recommend", "rank_memory", "add_arguments", "main"]
+
+GB = 1e9
+
+
+def arms_for(framework: str) -> list[Arm]:
+    """The configurations a plan compares (ZeRO-3 runs sdpq with its bf16-master workaround)."""
+    extra = {"workarounds": {"deepspeed_alias_bf16_master": True}} if framework == "zero3" else {}
+
+    def sdpq(**weights) -> Config:
+        return Config.from_dict({"weights": weights, **extra})
+
+    arms = [Arm("bf16")]
+    if framework != "hsdp":
+        arms.append(Arm("ZeRO++ (hpZ+qwZ+qgZ)", zeropp=True))
+    arms += [
+        Arm("sdpq", sdpq()),
+        Arm("sdpq int8 reference", sdpq(reference="int8")),
+        Arm("sdpq stateless (direct)", sdpq(mode="direct", bits=8)),
+        Arm("sdpq 2-bit weights", sdpq(bits=2)),
+    ]
+    return arms
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    arm: str
+    memory: dict[str, int]  # bytes per kind on the rank that keeps the most
+    cross_node: dict[str, float]  # bytes per step over one node's link
+    seconds: dict[str, float]  # the time model's step and parts
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.memory.values())
+
+
+def plan(
+    model: ModelShape,
+    framework: str,
+    nodes: int,
+    per_node: int,
+    *,
+    gpu_memory_gb: float,
+    link: Link,
+    reserve: float = 0.3,
+    arms: list[Arm] | None = None,
+    constants: Constants | None = None,
+) -> list[PlanRow]:
+    """One row per configuration; `reserve`: the share of the GPU's memory left for activations
+    and the gathered layers; `constants`: the time model's (default: `default_constants()`)."""
+    k = constants or default_constants()
+    rows = []
+    for arm in arms or arms_for(framework):
+        fw = "zero3" if arm.zeropp else framework
+        mem = rank_memory(model.units, fw, nodes, per_node, arm)
+        total = sum(mem.values())
+        notes = ["DeepSpeed only"] if arm.zeropp and framework != "zero3" else []
+        rows.append(
+            PlanRow(
+                arm.name,
+                mem,
+                cross_node_bytes(model, fw, nodes, arm),
+                step_seconds(model, fw, nodes, per_node, arm, link, k),
+                total <= (1 - reserve) * gpu_memory_gb * GB,
+                notes,
+            )
+        )
+    return rows
+
+
+@functools.lru_cache(maxsize=1)
+def default_constants() -> Constants:
+    """The time model's constants fitted on the published 100 Gbit/s InfiniBand cluster (16 nodes
+    of 4 A100s): an mfu and the share of the nominal link bandwidth a collective gets."""
+    from ..bench.scaling_model import A100, fit
+
+    return fit(A100)
+
+
+def recommend(rows: list[PlanRow]) -> PlanRow | None:
+    """The sdpq configuration with the fewest cross-node bytes that fits (then the least memory)."""
+    ok = [r for r in rows if r.fits and r.arm.startswith("sdpq")]
+    return min(ok, key=lambda r: (r.cross_node["total"], r.total), default=None)
+
+
+def table(rows: list[PlanRow]) -> str:
+    kinds = ("parameters", "gradients", "master", "optimizer_states", "weight_reference", "error_feedback")
+    short = ("params", "grads", "master", "states", "ref", "EF")
+    head = (
+        f"{'configuration':<26}"
+        + "".join(f"{s:>8}" for s in short)
+        + f"{'total':>8}{'x-node GB':>11}{'step s':>8}  fits"
+    )
+    out = [head, "-" * len(head)]
+    for r in rows:
+        cells = "".join(f"{r.memory.get(k, 0) / GB:>8.2f}" for k in kinds)
+        line = f"{r.arm:<26}{cells}{r.total / GB:>8.2f}{r.cross_node['total'] / GB:>11.2f}{r.seconds['total']:>8.2f}"
+        out.append(line + f"  {'yes' if r.fits else 'NO'}" + (f" ({'; '.join(r.notes)})" if r.notes else ""))
+    return "\n".join(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a Llama 2 shape")
+    src.add_argument("--hf-config", metavar="CONFIG_JSON", help="a Llama-family Hugging Face config.json")
+    src.add_argument("--params", type=float, help="a bare parameter count (e.g. 7e9)")
+    src.add_argument("--model", choices=["gpt", "llama"], help="sdpq.train's model, with the flags below")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--framework", choices=FRAMEWORKS, default="fsdp2")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
+    p.add_argument("--link-gbit", type=float, default=400.0, help="inter-node Gbit/s per node (default 400)")
+    p.add_argument("--batch-per-gpu", type=int, default=1, help="sequences per GPU and step (time model)")
+    p.add_argument("--reserve", type=float, default=0.3, help="share of GPU memory kept for activations")
+    p.add_argument("--mfu", type=float, help="time model: compute efficiency (default: fitted, see --help)")
+    p.add_argument("--link-efficiency", type=float, help="time model: share of the link's bandwidth")
+    p.add_argument("--json", action="store_true")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelShape:
+    if args.preset:
+        return from_config(PRESETS[args.preset], name=f"Llama-2 {args.preset}")
+    if args.hf_config:
+        return from_hf_config(args.hf_config)
+    if args.params:
+        return from_params(args.params)
+    from ..train.model import MODELS
+
+    cfg = MODELS[args.model](d_model=args.d_model, n_layer=args.layers, n_head=args.heads, seq_len=args.seq_len)
+    return from_config(cfg)
+
+
+def main(args: argparse.Namespace) -> int:
+    import json
+
+    for name in ("nodes", "gpus_per_node"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: {getattr(args, name)}; allowed: an integer >= 1")
+    model = model_from_args(args)
+    link = Link(args.link_gbit, batch_per_gpu=args.batch_per_gpu)
+    k = default_constants()
+    k = replace(k, mfu=args.mfu or k.mfu, link_efficiency=args.link_efficiency or k.link_efficiency)
+    rows = plan(
+        model, args.framework, args.nodes, args.gpus_per_node, gpu_memory_gb=args.gpu_memory, link=link,
+        reserve=args.reserve, constants=k,
+    )  # fmt: skip
+    best = recommend(rows)
+    if args.json:
+        out = [dict(r.__dict__, total=r.total) for r in rows]
+        print(json.dumps({"model": model.name, "params": model.params, "rows": out, "recommended": best and best.arm}))
+        return 0
+    gpus = args.nodes * args.gpus_per_node
+    print(
+        f"{model.name} ({model.params / 1e9:.2f}B parameters), {args.framework}, {args.nodes} nodes x "
+        f"{args.gpus_per_node} GPUs ({gpus}), {args.gpu_memory:g} GB each, {args.link_gbit:g} Gbit/s per node\n"
+        "memory: GB per GPU of model state (activations not planned); x-node: GB per step over one node's link;\n"
+        f"step: the time model's (mfu {k.mfu:g}, link efficiency {k.link_efficiency:g}, "
+        f"{args.batch_per_gpu} sequence(s) of {model.seq} per GPU)\n"
+    )
+    print(table(rows))
+    fits = f"{(1 - args.reserve) * args.gpu_memory:g} GB ({1 - args.reserve:.0%} of the GPU)"
+    print(
+        f"\nrecommended: {best.arm}" if best else f"\nno sdpq configuration fits in {fits}: more GPUs or nodes",
+    )
+    return 0
