@@ -21,7 +21,7 @@ against the reconstruction, so each refresh's error is fed back into the next on
 
 Note (hot path): `gather` never reads a device value on the host. What a refresh learns about
 the reference (a non-finite weight reached it; verify_every found its holders disagreeing) is
-kept as a flag on the device (`DeviceFlag`) and read by the next `mark_weights_changed()`,
+kept as a flag on the device (reference_health.py) and read by the next `mark_weights_changed()`,
 outside the hooks, which makes the following refresh exact. Every holder of R_l computes those
 flags from the same gathered bytes, so all of them take that decision alike.
 """
@@ -29,7 +29,6 @@ flags from the same gathered bytes, so all of them take that decision alike.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -43,25 +42,13 @@ from . import timing
 from ._exchange import all_gather_rows
 from ._rng import generator_state, restore_generator
 from .agreement import check_agreement
-from .device_flag import DeviceFlag
 from .reference import Reference, make_reference, reference_kind
+from .reference_health import ReferenceHealth, ReferenceMismatchWarning
 from .segments import BucketLayout, Segment, aligned_group_spec
 from .stats import CommStats, Recorder
 from .topology import Topology
 
-__all__ = ["WeightGather", "ReferenceMismatchWarning"]
-
-
-class ReferenceMismatchWarning(RuntimeWarning):
-    """verify_every found holders of one reference disagreeing; the next refresh resyncs it exactly."""
-
-
-def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums of the raw bytes (plain and position-weighted): equal on bitwise-equal
-    tensors, different on virtually any corruption (a flipped bit changes the plain sum)."""
-    bits = t.contiguous().view(torch.uint8).flatten().to(torch.int64)
-    weights = torch.arange(bits.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
-    return torch.stack((bits.sum(), (bits * weights).sum()))
+__all__ = ["WeightGather", "ReferenceMismatchWarning"]  # the warning: re-exported from reference_health
 
 
 class WeightGather:
@@ -129,10 +116,8 @@ class WeightGather:
         self.calls = 0  # gathers done
         self._force_exact = False
         # Set on the device by a refresh, read by mark_weights_changed (see the module docstring).
-        self._nonfinite = DeviceFlag(self.device)
-        self._mismatched = DeviceFlag(self.device)
-        self._verified_sums: torch.Tensor | None = None  # the checksums behind _mismatched
         self._rec = Recorder(stats, record_to)
+        self._health = ReferenceHealth(topology, self.device, self._rec)
         self._gen: torch.Generator | None = None
 
     # ------------------------------------------------------------------ public API
@@ -149,7 +134,7 @@ class WeightGather:
         # moved, and a quantized difference of a large jump (a loaded checkpoint, an edit by hand)
         # is a large error in the next forward; the exact refresh costs one unquantized gather.
         # Only the optimizer-step hooks know their updates are small, and they pass exact=False.
-        self._settle()
+        self._force_exact = self._health.settle() or self._force_exact
         self.dirty = True
         self._force_exact = self._force_exact or exact
 
@@ -219,9 +204,8 @@ class WeightGather:
         """(kind, tensor) of what this rank keeps between gathers (for sdpq.memory)."""
         if self._store is not None:
             yield "weight_reference", self._store.tensor
-        for t in (*self._nonfinite.tensors(), *self._mismatched.tensors(), self._verified_sums):
-            if t is not None:
-                yield "sdpq_buffers", t
+        for t in self._health.tensors():
+            yield "sdpq_buffers", t
 
     def reconstructed_shard(self) -> torch.Tensor:
         """diff mode across nodes: this rank's own shard as every rank reconstructs it (fp32, C elements)."""
@@ -243,7 +227,7 @@ class WeightGather:
         # Note: the generator is created now if it is not yet (same seed as at its first use), so
         # that what is saved does not depend on whether this rank has rounded anything yet.
         gen = self._generator(self.device) if self.config.mode != "exact" else None
-        self._settle()  # a pending exact refresh is part of the state
+        self._force_exact = self._health.settle() or self._force_exact  # a pending exact refresh is state
         return {
             "mode": self.config.mode,
             "layout": self.topology.layout,
@@ -279,9 +263,7 @@ class WeightGather:
             self.calls = int(state["calls"])
         if "generator" in state:
             self._gen = restore_generator(self._gen, state["generator"], self.device)
-        self._nonfinite.clear()  # what the replaced reference had flagged no longer applies
-        self._mismatched.clear()
-        self._verified_sums = None
+        self._health.clear()  # what the replaced reference had flagged no longer applies
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         """The stochastic-rounding stream (None with nearest rounding), created at first use."""
@@ -311,7 +293,7 @@ class WeightGather:
             self.version = 0
         exact = self.version == 0 or self._force_exact or (c.resync_every > 0 and self.version % c.resync_every == 0)
         if not exact and c.verify_every > 0 and self.version % c.verify_every == 0:
-            self._verify()
+            self._health.verify(self._ref.tensor)
         if not exact:
             # Note: the fp32 difference is taken against the reconstruction R, not the last weights.
             ref, gen = self._ref.placed_row(topo.node), self._generator(w.device)
@@ -330,7 +312,7 @@ class WeightGather:
             # An inf/nan weight poisons R_l (its group decodes to NaN: the gathered weights show
             # it); the refresh after the next mark is exact, so that the reference recovers once
             # the weights are finite again.
-            self._nonfinite.raise_if(wire_nonfinite(rows, self.spec, self._wire_numel))
+            self._health.flag_nonfinite(wire_nonfinite(rows, self.spec, self._wire_numel))
         self._record_refresh(rows.shape[1])
         self._refresh_done(w)
 
@@ -385,33 +367,6 @@ class WeightGather:
             elements=peers * valid,
             baseline_bytes=peers * valid * self.dtype.itemsize,
         )
-
-    def _verify(self) -> None:
-        """Compare the checksum of R_l across its holders (the inter-node group) on the device;
-        mark_weights_changed reads the outcome. Every holder sees the same gathered sums, so all
-        of them take the same decision."""
-        topo = self.topology
-        with timing.span("comm.weights"):
-            sums, _ = all_gather_rows(_checksum(self._ref.tensor), topo.inter_group)
-        self._rec.record("weights", "inter", bytes=(topo.nodes - 1) * 16, elements=0)
-        self._verified_sums = sums
-        self._mismatched.raise_if(sums != sums[0])
-
-    def _settle(self) -> None:
-        """Read what the refreshes flagged on the device (a sync: never call it in the hot path)."""
-        if self._nonfinite.take():
-            self._force_exact = True
-        if self._mismatched.take():
-            sums = self._verified_sums
-            warnings.warn(
-                f"sdpq: the weight reference of local index {self.topology.local_rank} differs between "
-                f"nodes (checksums {None if sums is None else sums.tolist()}); the next refresh "
-                "resyncs it exactly",
-                ReferenceMismatchWarning,
-                stacklevel=3,
-            )
-            self._force_exact = True
-        self._verified_sums = None
 
     def _node_payload(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """diff mode: what this rank sends in the node's all-gather (1-D): its R_l, or on one
