@@ -1,11 +1,14 @@
 """`sdpq plan`'s memory against what `sdpq.memory.report` measures on live runs: the CPU
 layouts 2x2, 4x1, 1x4 and 3x2 (gloo ranks as nodes x ranks per node), FSDP2, HSDP and ZeRO-3,
-each plain (bf16 mixed precision, the framework's AdamW) and with sdpq's default block (FP8 +
-MCF AdamW on bf16 parameters; ZeRO-3 with the bf16-master workaround). Every rank's report is
+each plain (bf16 mixed precision, the framework's AdamW), with sdpq's default block (FP8 + MCF
+AdamW on bf16 parameters; ZeRO-3 with the bf16-master workaround) and with that block's int8
+weight reference (`--arms`). Every rank's report is
 taken just before the last optimizer step (gradients alive) and compared kind by kind with
 the plan's figure for that rank; the largest relative difference per run is reported.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_check.py      # ~10 min on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_check.py      # ~30 min on 2 cores
+
+Runs already in --out are kept and not run again (delete the file to measure everything anew).
 
 HSDP at 4x1 is left out: a shard group of one rank is refused by sdpq (nothing to shard).
 """
@@ -32,14 +35,18 @@ LAYOUTS = [(2, 2), (4, 1), (1, 4), (3, 2)]
 FRAMEWORKS = ("fsdp2", "hsdp", "zero3")
 SDPQ_FSDP = {"weights": {}, "gradients": {}, "optimizer": {}}
 SDPQ_ZERO3 = {**SDPQ_FSDP, "workarounds": {"deepspeed_alias_bf16_master": True}}
+ARMS = ("plain", "sdpq", "sdpq-int8")
 TAG = "[plan_check]"
 
 
-def spec_for(framework: str, nodes: int, per_node: int, with_sdpq: bool, steps: int):
+def spec_for(framework: str, nodes: int, per_node: int, arm: str, steps: int):
     from sdpq.train.llama import LlamaConfig
     from sdpq.train.run import RunSpec
 
+    with_sdpq = arm != "plain"
     block = (SDPQ_ZERO3 if framework == "zero3" else SDPQ_FSDP) if with_sdpq else None
+    if arm == "sdpq-int8":
+        block = {**block, "weights": {"reference": "int8"}}
     return RunSpec(
         backend="deepspeed" if framework == "zero3" else "fsdp2",
         model=LlamaConfig(seq_len=64, n_layer=2, n_head=4, d_model=128),
@@ -99,8 +106,8 @@ def worker(job_file: str, out_file: str) -> None:
     dist.destroy_process_group()
 
 
-def run_one(framework: str, nodes: int, per_node: int, with_sdpq: bool, steps: int, timeout: float) -> list:
-    spec = spec_for(framework, nodes, per_node, with_sdpq, steps)
+def run_one(framework: str, nodes: int, per_node: int, arm: str, steps: int, timeout: float) -> list:
+    spec = spec_for(framework, nodes, per_node, arm, steps)
     with tempfile.TemporaryDirectory(prefix="sdpq-plan-") as tmp:
         job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "run.log"
         job.write_text(
@@ -118,12 +125,12 @@ def run_one(framework: str, nodes: int, per_node: int, with_sdpq: bool, steps: i
         return json.loads(out.read_text())
 
 
-def compare(measured: list, framework: str, nodes: int, per_node: int, with_sdpq: bool, steps: int) -> dict:
+def compare(measured: list, framework: str, nodes: int, per_node: int, arm_name: str, steps: int) -> dict:
     from sdpq.config import Config
     from sdpq.plan import Arm, rank_memory
     from sdpq.plan.shapes import from_config
 
-    spec = spec_for(framework, nodes, per_node, with_sdpq, steps)
+    spec = spec_for(framework, nodes, per_node, arm_name, steps)
     arm = Arm("x", None if spec.sdpq is None else Config.from_dict(spec.sdpq))
     units = from_config(spec.model).units
     ranks = []
@@ -149,35 +156,39 @@ def compare(measured: list, framework: str, nodes: int, per_node: int, with_sdpq
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_check.json"))
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return 0
-    rows = []
+    out = Path(args.out)
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    done = {(r["framework"], r["layout"], r["arm"]) for r in rows}
     for framework in args.frameworks.split(","):
         for nodes, per_node in LAYOUTS:
             if framework == "hsdp" and per_node == 1:
                 continue
-            for with_sdpq in (False, True):
-                measured = run_one(framework, nodes, per_node, with_sdpq, args.steps, args.timeout)
-                c = compare(measured, framework, nodes, per_node, with_sdpq, args.steps)
-                row = {"framework": framework, "layout": f"{nodes}x{per_node}", "sdpq": with_sdpq, **c}
-                rows.append(row)
+            for arm in args.arms.split(","):
+                if (framework, f"{nodes}x{per_node}", arm) in done:
+                    continue
+                measured = run_one(framework, nodes, per_node, arm, args.steps, args.timeout)
+                c = compare(measured, framework, nodes, per_node, arm, args.steps)
+                rows.append({"framework": framework, "layout": f"{nodes}x{per_node}", "arm": arm, **c})
+                out.write_text(json.dumps({"args": vars(args), "meta": provenance(), "rows": rows}, indent=1))
                 r0 = c["ranks"][0]
                 print(
-                    f"{TAG} {framework:5} {nodes}x{per_node} {'sdpq ' if with_sdpq else 'plain'} rank 0: measured "
+                    f"{TAG} {framework:5} {nodes}x{per_node} {arm:9} rank 0: measured "
                     f"{r0['measured_total'] / c['model_numel']:.3f} B/param, planned "
                     f"{r0['planned_total'] / c['model_numel']:.3f}, reference "
                     f"{r0['measured']['weight_reference'] / c['model_numel']:.3f}; worst kind on any rank "
                     f"{100 * c['max_abs_relative_difference']:.2f}%",
                     flush=True,
                 )
-    out = Path(args.out)
-    out.write_text(json.dumps({"args": vars(args), "meta": provenance(), "rows": rows}, indent=1))
     worst = max(r["max_abs_relative_difference"] for r in rows)
     print(f"{TAG} worst kind over every run and rank: {100 * worst:.2f}% (wrote {out})")
     return 0 if worst <= 0.05 else 1

@@ -24,6 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_memory  # noqa: E402  (the memory rows; benchmarks/ is not a package for this script)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "benchmarks" / "RESULTS.md"
@@ -429,6 +432,9 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     long = load(results_dir, "convergence_long.json", "benchmarks/convergence_long.py")
     gpu = load(results_dir, "gpu_check_h200.json", "./run gpu-check")
     below = load(results_dir, "frontier_long_w2g4.json", "benchmarks/frontier_long.py")
+    reference = load(results_dir, "reference_long.json", "benchmarks/reference_long.py")
+    plan_check = load(results_dir, "plan_check.json", "benchmarks/plan_check.py")
+    memory_table = load(results_dir, "memory_table.json", "benchmarks/memory_table.py")
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
         ([demo], _demo_rows),
         (zeropp, _zeropp_rows),
@@ -445,6 +451,12 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     out += _long_rows(long)
     if below.exists:  # written by a study of hours; the page is whole without it
         out += _below_four_rows(below)
+    if reference.exists:
+        out += _below_four_rows(reference)
+    if plan_check.exists:
+        out += results_memory.measured_rows(plan_check)
+    if memory_table.exists:
+        out += results_memory.planned_rows(memory_table)
     return out + _unrecorded_rows()
 
 

@@ -1,7 +1,7 @@
 """sdpq: sharded data-parallel quantization for DeepSpeed ZeRO-3 and PyTorch FSDP2.
 
 The front door (``__all__``) is what a training script needs: ``sdpq.Config``, ``sdpq.fsdp.apply``
-or ``sdpq.deepspeed.initialize``, ``sdpq.optim.AdamW``, ``sdpq.stats`` and
+or ``sdpq.deepspeed.initialize``, ``sdpq.optim.AdamW``, ``sdpq.stats``, ``sdpq.memory`` and
 ``sdpq.mark_weights_changed``. The rest stays importable (``sdpq.quant`` math, ``sdpq.comm``
 collectives, ``sdpq.kernels``, ``sdpq.hf``, ...) and is listed under "Advanced" in docs/api.md.
 Sub-packages are imported lazily: each integration pulls in its framework.
@@ -13,15 +13,29 @@ from ._version import __version__
 from .config import Config, ConfigError
 from .integrations import install_deepspeed_hook, mark_weights_changed
 
-__all__ = ["Config", "ConfigError", "fsdp", "deepspeed", "optim", "stats", "mark_weights_changed", "__version__"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "fsdp",
+    "deepspeed",
+    "ddp",
+    "optim",
+    "stats",
+    "memory",
+    "mark_weights_changed",
+    "__version__",
+]
 
 _LAZY = {
     "stats": "sdpq.stats",
+    "memory": "sdpq.memory",
+    "plan": "sdpq.plan",
     "quant": "sdpq.quant",
     "comm": "sdpq.comm",
     "optim": "sdpq.optim",
     "kernels": "sdpq.kernels",
     "fsdp": "sdpq.fsdp",
+    "ddp": "sdpq.ddp",
     "deepspeed": "sdpq.deepspeed",
     "hf": "sdpq.hf",
 }

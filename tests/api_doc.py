@@ -19,6 +19,7 @@ FRONT = (
     ("sdpq.stats", "summary"),
     ("sdpq.stats", "of"),
     ("sdpq.stats", "reset"),
+    ("sdpq.memory", "report"),
     ("sdpq", "mark_weights_changed"),
 )
 
@@ -27,6 +28,8 @@ MODULES = (
     "sdpq.deepspeed",
     "sdpq.hf",
     "sdpq.stats",
+    "sdpq.memory",
+    "sdpq.plan",
     "sdpq.optim",
     "sdpq.comm",
     "sdpq.quant",

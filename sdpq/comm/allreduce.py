@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..config import GradientsConfig, StatsConfig
 from ..kernels import decode_rows, decode_rows_inverse_hadamard, encode_rows
+from ..quant import true_div
 from . import timing
 from ._exchange import all_gather_rows
 from .grads import GradReduceScatter
@@ -35,7 +36,28 @@ from .segments import Segment, cut_segments
 from .stats import CommStats, Recorder
 from .topology import Topology
 
-__all__ = ["GradAllReduce"]
+__all__ = ["GradAllReduce", "exact_all_reduce"]
+
+
+def exact_all_reduce(flat: torch.Tensor, topology: Topology, rec: Recorder, divide_by: int | None = None) -> None:
+    """The plain SUM all-reduce of `flat` in place (divided by `divide_by` in fp32, if given),
+    its bytes recorded as a ring all-reduce sends them."""
+    group = topology.world_group
+    # Note: as GradReduceScatter's exact mode, an inf on one rank must not become a finite
+    # (or inf) value on some ranks only: a rank holding a non-finite value sends NaN.
+    flat.copy_(torch.where(torch.isfinite(flat).all(), flat, float("nan")))
+    with timing.span("comm.grads"):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if divide_by is not None:
+        flat.copy_(true_div(flat.float(), divide_by))
+    item, numel = flat.element_size(), flat.numel()
+    R, L = topology.world_size, topology.ranks_per_node
+    sent = 2 * (R - 1) * numel // R  # what a ring all-reduce sends per rank
+    # Split as the peers are: R - L of the R - 1 other members are on other nodes.
+    inter = sent * (R - L) // (R - 1)
+    for link, elems in (("inter", inter), ("intra", sent - inter)):
+        if elems:
+            rec.record("gradients", link, bytes=elems * item, elements=elems, baseline_bytes=elems * item)
 
 
 class GradAllReduce:
@@ -87,39 +109,30 @@ class GradAllReduce:
         """(kind, tensor) of what this rank keeps between calls (for sdpq.memory)."""
         return self.reduce_scatter.held_tensors()
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x (flat, `numel` elements, any float dtype) <- the sum over the group's ranks; returns x."""
+    def all_reduce(self, x: torch.Tensor, divide_by: int | None = None) -> torch.Tensor:
+        """x (flat, `numel` elements, any float dtype) <- the sum over the group's ranks, divided
+        by `divide_by` in fp32 before it is rounded to x's dtype (DDP's average); returns x."""
         if x.numel() != self.numel:
             raise ValueError(f"input has {x.numel()} elements; this all-reduce was built for {self.numel}")
         flat = x.view(-1)
         if self.topology.world_size == 1:
+            if divide_by is not None and divide_by != 1:
+                flat.copy_(true_div(flat.float(), divide_by))
             return x  # a group of one: the sum is x itself (nothing to send, nothing to round)
         with timing.span("grads.all_reduce"):
             if self.config.mode == "exact":
-                self._exact(flat)
+                self._exact(flat, divide_by)
             else:
                 chunk = torch.empty(self.reduce_scatter.chunk_numel, dtype=torch.float32, device=flat.device)
                 self.reduce_scatter.reduce_scatter(flat, out=chunk)  # the fp32 sum, not rounded to x's dtype
-                flat.copy_(self._gather(chunk, flat.element_size())[: self.numel])
+                total = self._gather(chunk, flat.element_size())[: self.numel]
+                flat.copy_(total if divide_by is None else true_div(total, divide_by))
         return x
 
     __call__ = all_reduce
 
-    def _exact(self, flat: torch.Tensor) -> None:
-        group = self.topology.world_group
-        # Note: as GradReduceScatter's exact mode, an inf on one rank must not become a finite
-        # (or inf) value on some ranks only: a rank holding a non-finite value sends NaN.
-        flat.copy_(torch.where(torch.isfinite(flat).all(), flat, float("nan")))
-        with timing.span("comm.grads"):
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        topo, item = self.topology, flat.element_size()
-        R, L = topo.world_size, topo.ranks_per_node
-        sent = 2 * (R - 1) * self.numel // R  # what a ring all-reduce sends per rank
-        # Split as the peers are: R - L of the R - 1 other members are on other nodes.
-        inter = sent * (R - L) // (R - 1)
-        for link, elems in (("inter", inter), ("intra", sent - inter)):
-            if elems:
-                self._rec.record("gradients", link, bytes=elems * item, elements=elems, baseline_bytes=elems * item)
+    def _exact(self, flat: torch.Tensor, divide_by: int | None = None) -> None:
+        exact_all_reduce(flat, self.topology, self._rec, divide_by)
 
     def _gather(self, chunk: torch.Tensor, itemsize: int) -> torch.Tensor:
         """Quantize this rank's reduced chunk, all-gather, decode every rank's chunk alike:

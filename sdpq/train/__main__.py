@@ -25,7 +25,7 @@ __all__ = ["add_arguments", "spec_from_args", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["fsdp2", "deepspeed"], default="fsdp2")
+    p.add_argument("--backend", choices=["fsdp2", "deepspeed", "ddp"], default="fsdp2")
     p.add_argument(
         "--config",
         default=None,
@@ -127,6 +127,10 @@ def train(spec: RunSpec) -> RunResult:
         from . import fsdp_backend
 
         return fsdp_backend.train(spec)
+    if spec.backend == "ddp":
+        from . import ddp_backend
+
+        return ddp_backend.train(spec)
     from . import deepspeed_backend
 
     return deepspeed_backend.train(spec)

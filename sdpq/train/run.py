@@ -40,7 +40,7 @@ MIXED_PRECISION = (None, "bf16")
 
 @dataclass(frozen=True)
 class RunSpec:
-    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    backend: Literal["fsdp2", "deepspeed", "ddp"] = "fsdp2"
     model: ModelConfig = field(default_factory=GPTConfig)  # GPTConfig or LlamaConfig (sdpq.train.model)
     sdpq: dict[str, Any] | None = None  # the "sdpq" block; None = the unquantized baseline
     steps: int = 200
@@ -75,8 +75,8 @@ class RunSpec:
     deepspeed: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in ("fsdp2", "deepspeed"):
-            raise ValueError(f"RunSpec.backend: {self.backend!r}; allowed: 'fsdp2', 'deepspeed'")
+        if self.backend not in ("fsdp2", "deepspeed", "ddp"):
+            raise ValueError(f"RunSpec.backend: {self.backend!r}; allowed: 'fsdp2', 'deepspeed', 'ddp'")
         if self.count_bytes not in ("exact", "off"):
             raise ValueError(f"RunSpec.count_bytes: {self.count_bytes!r}; allowed: 'exact', 'off'")
         if self.deepspeed is not None and self.backend != "deepspeed":

@@ -318,8 +318,8 @@ def _precision(args: Any, ds: dict | None, block: dict | None, overrides: list[O
     if ds is None:  # flags only; no flag: fp32
         return {"bf16": bool(bf16), "mixed_precision": mixed}
     enabled = _get(ds, "bf16.enabled") is True
-    if _get(ds, "fp16.enabled") is True and args.backend == "fsdp2":
-        raise ConfigError("fp16.enabled: the FSDP2 backend trains in bf16 or fp32; allowed: bf16.enabled")
+    if _get(ds, "fp16.enabled") is True and args.backend != "deepspeed":
+        raise ConfigError(f"fp16.enabled: the {args.backend} backend trains in bf16 or fp32; allowed: bf16.enabled")
     # From the file: bf16 compute; bf16 parameters where sdpq's MCF master keeps them (on
     # DeepSpeed it makes the master partition bf16 the same way).
     opt = None if block is None else Config.from_dict(block).optimizer
