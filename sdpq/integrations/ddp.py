@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,20 +62,33 @@ class DDPState:
     topology: Topology
     stats: CommStats
     iteration: int = 0  # synchronising backward passes done (the last bucket closes one)
+    param_index: dict = dataclasses.field(default_factory=dict)  # id(parameter) -> its position in the module
     reducers: dict = dataclasses.field(default_factory=dict)  # bucket key -> GradAllReduce
-    segments: dict = dataclasses.field(default_factory=dict)  # bucket key -> its parameters' segments
+    layouts: dict = dataclasses.field(default_factory=dict)  # bucket key -> its _Layout
     stream: Any = None  # CUDA: the side stream the all-reduces run on
     recorder: Any = None  # the exact iterations' byte counts (into `stats`)
 
-    def reducer(self, key: tuple, numel: int, segments, device) -> GradAllReduce:
-        ar = self.reducers.get(key)
+    def reducer(self, layout: _Layout, device) -> GradAllReduce:
+        ar = self.reducers.get(layout.key)
         if ar is None:  # Note: a collective (every rank agrees on the bucket); at the bucket's first use
             ar = GradAllReduce(
-                numel, self.topology, self.config.gradients, device=device, stats=self.config.stats,
-                record_to=self.stats, segments=segments,
+                layout.key[1], self.topology, self.config.gradients, device=device, stats=self.config.stats,
+                record_to=self.stats, segments=layout.segments,
             )  # fmt: skip
-            self.reducers[key], self.segments[key] = ar, segments
+            self.reducers[layout.key], self.layouts[layout.key] = ar, layout
         return ar
+
+    def same_parameters(self, layout: _Layout) -> _Layout | None:
+        """A known bucket of the same parameters laid out otherwise (DDP's first buckets after a
+        resume, before it rebuilds them in the saved order)."""
+        if layout.segments is None:
+            return None
+        want = sorted(zip(layout.params, (s.length for s in layout.segments)))
+        for known in self.layouts.values():
+            if known.segments is not None and known.key[1:3] == layout.key[1:3]:
+                if sorted(zip(known.params, (s.length for s in known.segments))) == want:
+                    return known
+        return None
 
     def held_tensors(self):
         """(kind, tensor) of everything sdpq keeps between steps (sdpq.memory)."""
@@ -83,20 +96,25 @@ class DDPState:
             yield from ar.held_tensors()
 
 
-def _bucket_layout(bucket) -> tuple[tuple, list[Segment] | None]:
-    """(key, segments): where each parameter's gradient lies in the bucket's flat buffer (None
-    where the gradients are not views of it)."""
+class _Layout(NamedTuple):
+    key: tuple  # (bucket index, numel, dtype, digest of the segments)
+    segments: list[Segment] | None  # where each gradient lies in the flat buffer (None: not views of it)
+    params: tuple[int, ...]  # the parameters, by position in the module, in segment order
+
+
+def _bucket_layout(state: DDPState, bucket) -> _Layout:
     buf = bucket.buffer()
     base, item = buf.data_ptr(), buf.element_size()
-    segments = []
+    segments: list[Segment] | None = []
     for g, p in zip(bucket.gradients(), bucket.parameters()):
         start = (g.data_ptr() - base) // item
-        if not (0 <= start and start + g.numel() <= buf.numel()):
+        if segments is None or not (0 <= start and start + g.numel() <= buf.numel()):
             segments = None
-            break
+            continue
         segments.append(Segment(start, g.numel(), p.shape[-1] if p.dim() >= 2 else 0))
-    digest = hashlib.sha256(repr(segments).encode()).hexdigest()[:16]
-    return (bucket.index(), buf.numel(), str(buf.dtype), digest), segments
+    params = tuple(state.param_index.get(id(p), -1) for p in bucket.parameters())
+    digest = hashlib.sha256(repr((segments, params)).encode()).hexdigest()[:16]
+    return _Layout((bucket.index(), buf.numel(), str(buf.dtype), digest), segments, params)
 
 
 def _hook(state: DDPState, bucket) -> torch.futures.Future:
@@ -119,12 +137,23 @@ _hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 def _all_reduce(state: DDPState, bucket, buf: torch.Tensor) -> None:
-    key, segments = _bucket_layout(bucket)
+    layout = _bucket_layout(state, bucket)
     N = state.topology.world_size
-    if state.iteration < EXACT_ITERATIONS and key not in state.reducers:
-        _exact(state, buf)
+    known = None if layout.key in state.reducers else state.same_parameters(layout)
+    if known is None:
+        if layout.key in state.reducers or state.iteration >= EXACT_ITERATIONS:
+            state.reducer(layout, buf.device).all_reduce(buf, divide_by=N)
+        else:
+            _exact(state, buf)
         return
-    state.reducer(key, buf.numel(), segments, buf.device).all_reduce(buf, divide_by=N)
+    # The parameters of a known bucket in another order: all-reduced in the known order.
+    moved = torch.empty_like(buf)
+    theirs = dict(zip(known.params, known.segments))
+    for p, s in zip(layout.params, layout.segments):
+        moved[theirs[p].start : theirs[p].start + s.length] = buf[s.start : s.start + s.length]
+    state.reducers[known.key].all_reduce(moved, divide_by=N)
+    for p, s in zip(layout.params, layout.segments):
+        buf[s.start : s.start + s.length] = moved[theirs[p].start : theirs[p].start + s.length]
 
 
 def _exact(state: DDPState, buf: torch.Tensor) -> None:
@@ -189,6 +218,7 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None) ->
         raise TopologyError(f"sdpq.ddp.apply: the DDP group has {dist.get_world_size(group)} ranks")
     stats = CommStats(config=cfg.stats, parent=process_stats())
     state = DDPState(cfg, topo, stats, recorder=Recorder(cfg.stats, stats))
+    state.param_index = {id(p): i for i, p in enumerate(model.module.parameters())}
     model.register_comm_hook(state, _hook)
     setattr(model, ATTR, state)
     return state
@@ -219,7 +249,12 @@ def state_dict(model: nn.Module) -> dict:
         "iteration": state.iteration,
         "layout": state.topology.layout,
         "buckets": [
-            (list(key), ar.numel, _segments_out(state.segments[key]), ar.state_dict())
+            {
+                "key": list(key),
+                "segments": None if (lay := state.layouts[key]).segments is None else [list(s) for s in lay.segments],
+                "params": list(lay.params),
+                "state": ar.state_dict(),
+            }
             for key, ar in state.reducers.items()
         ],
     }
@@ -232,14 +267,11 @@ def load_state_dict(model: nn.Module, saved: Mapping[str, Any]) -> None:
         raise ValueError(
             f"sdpq.ddp.load_state_dict: saved on layout {saved.get('layout')!r}, this run is {state.topology.layout!r}"
         )
-    for key, numel, segments, s in saved["buckets"]:
-        segs = None if segments is None else [Segment(*x) for x in segments]
-        state.reducer(tuple(key), numel, segs, _device(model)).load_state_dict(s)
+    for b in saved["buckets"]:
+        segments = None if b["segments"] is None else [Segment(*x) for x in b["segments"]]
+        layout = _Layout(tuple(b["key"]), segments, tuple(b["params"]))
+        state.reducer(layout, _device(model)).load_state_dict(b["state"])
     state.iteration = int(saved["iteration"])
-
-
-def _segments_out(segments: list[Segment] | None) -> list | None:
-    return None if segments is None else [list(s) for s in segments]
 
 
 def _device(model: nn.Module) -> torch.device:

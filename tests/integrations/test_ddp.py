@@ -67,3 +67,19 @@ def test_apply_refuses_a_plain_module():
 
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         sdpq.ddp.apply(torch.nn.Linear(2, 2))
+
+
+def _resume(ctx, tmp, block):
+    from sdpq.train.ddp_backend import train
+
+    full = train(_spec(ctx, block, steps=6, checkpoint_dir=tmp, save_at=3), checks=True)
+    resumed = train(_spec(ctx, block, steps=6, checkpoint_dir=tmp, resume=True), checks=True)
+    return full.losses, resumed.losses, full.extra["param_digests"], resumed.extra["param_digests"]
+
+
+def test_resume_is_bitwise(dist, tmp_path):
+    """Error feedback and stochastic rounding: the residuals, rounding streams and iteration count
+    come back, and the resumed run quantizes from its first step (the bucket layout is the saved one)."""
+    block = {**QUANT, "gradients": {"mode": "two_level", "error_feedback": True, "rounding": "stochastic"}}
+    for full, resumed, p_full, p_res in dist.run(_resume, WORLD, RPN, str(tmp_path), block, timeout=120):
+        assert resumed[3:] == full[3:] and p_res == p_full[3:]
