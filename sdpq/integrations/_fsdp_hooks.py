@@ -73,6 +73,7 @@ class ModuleComms:
     replicas: dict = field(default_factory=dict, repr=False)  # HSDP: {all-reduce numel: GradAllReduce}
     _saved: tuple = field(default=(), repr=False)  # FSDP's own comms, restored by remove()
     _partial_residuals: dict = field(default_factory=dict, repr=False)  # see _residual_of
+    _deferred: torch.Tensor | None = field(default=None, repr=False)  # HSDP: see defer_all_reduce
     _versions: tuple | None = field(default=None, repr=False)
     _warned: bool = field(default=False, repr=False)
 
@@ -126,8 +127,27 @@ class ModuleComms:
             rs.reduce_scatter(rows.view(-1), out=chunk)
         out.view(-1).copy_(chunk[:c])
 
+    def defer_all_reduce(self, x: torch.Tensor) -> None:
+        """HSDP, a micro-step the user does not all-reduce (`set_requires_all_reduce(False)`):
+        keep the reduce-scatter output x for the micro-step that does, and hand FSDP zeros (it
+        adds x to the sharded gradients after the hook: the sum must arrive once, all-reduced)."""
+        if self._deferred is None:
+            self._deferred = x.detach().float().clone()
+        else:
+            self._deferred.add_(x.detach().float())
+        x.zero_()
+
     def all_reduce(self, x: torch.Tensor) -> None:
-        """HSDP: the reduce-scatter output x, summed in place across the replicate group."""
+        """HSDP: the reduce-scatter output x (plus what deferred micro-steps kept), summed in
+        place across the replicate group."""
+        if self._deferred is not None:
+            if self._deferred.numel() != x.numel():
+                raise RuntimeError(
+                    f"sdpq ({self.fqn or '<root>'}): a deferred all-reduce of {self._deferred.numel()} elements "
+                    f"meets one of {x.numel()} (parameters without gradients in some micro-steps)"
+                )
+            x.copy_(self._deferred.add_(x.float()))  # Note: fp32 accumulation, one rounding to x's dtype
+            self._deferred = None
         ar = next(iter(self.replicas.values()), None)
         n = x.numel()
         if ar is None or n > ar.numel:
@@ -176,6 +196,8 @@ class ModuleComms:
         for residual in self._partial_residuals.values():
             if residual is not None:
                 yield "error_feedback", residual
+        if self._deferred is not None:
+            yield "sdpq_buffers", self._deferred
 
     def shard_versions(self) -> tuple:
         # Note: in-place updates of a sharded DTensor parameter (optimizer step, DCP
@@ -270,7 +292,12 @@ class SdpqAllReduceHook:
             # all-reduce stream this hook runs on (it does for FSDP2's mesh HSDP); the caching
             # allocator must not hand its block to the next reduce-scatter before we are done.
             reduce_output.record_stream(torch.cuda.current_stream())
-        self.comms.all_reduce(reduce_output)
+        # Note: 1-D FSDP2 calls this hook after every reduce-scatter, whatever
+        # set_requires_all_reduce says; sdpq reads it and all-reduces once per step.
+        if fsdp_internals.all_reduce_wanted(self.comms.param_group):
+            self.comms.all_reduce(reduce_output)
+        else:
+            self.comms.defer_all_reduce(reduce_output)
 
 
 # ----------------------------------------------------------------------------- per-model state

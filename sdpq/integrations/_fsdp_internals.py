@@ -23,7 +23,9 @@ Names used (torch 2.13):
   `._fsdp_param_group`, one FSDPParamGroup or None);
 - FSDPParamGroup: `fsdp_params`, `mesh_info` (`.shard_process_group`), `post_forward_mesh_info`,
   `_is_hsdp`, `mp_policy.param_dtype` (2.15: per parameter, `FSDPParam.mp_policy`), `device`, `gradient_divide_factor`,
-  `force_sum_reduction_for_comms`, `_all_gather_comm`, `_reduce_scatter_comm`, `_all_reduce_hook`;
+  `force_sum_reduction_for_comms`, `_all_gather_comm`, `_reduce_scatter_comm`, `_all_reduce_hook`,
+  `all_reduce_grads` (what `set_requires_all_reduce` sets; 1-D FSDP2 calls the all-reduce hook
+  whatever it says);
 - FSDPParam: `sharded_param` (the DTensor parameter), `_sharded_local_tensor`,
   `padded_sharded_param_size`.
 """
@@ -60,6 +62,7 @@ __all__ = [
     "param_dtype",
     "device",
     "gradient_divide_factor",
+    "all_reduce_wanted",
     "comm_settings",
     "restore_comm_settings",
 ]
@@ -152,6 +155,11 @@ def device(pg: ParamGroup) -> torch.device:
 def gradient_divide_factor(pg: ParamGroup) -> float | None:
     """The divide factor set with set_gradient_divide_factor, None if nobody set one."""
     return pg.gradient_divide_factor
+
+
+def all_reduce_wanted(pg: ParamGroup) -> bool:
+    """False while the user defers the replicate all-reduce (`set_requires_all_reduce(False)`)."""
+    return bool(pg.all_reduce_grads)
 
 
 def comm_settings(pg: ParamGroup) -> tuple:

@@ -220,7 +220,12 @@ def _step(
         g["lr"] = lr
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(spec.grad_accum):
-        model.set_requires_gradient_sync(micro == spec.grad_accum - 1)
+        last = micro == spec.grad_accum - 1
+        if spec.accumulation == "defer_all_reduce":
+            model.set_requires_gradient_sync(True)
+            model.set_requires_all_reduce(last)
+        else:
+            model.set_requires_gradient_sync(last)
         i = step * spec.grad_accum + micro
         x, y = data.batch(i, rank, spec.micro_batch, spec.model.seq_len, seed=spec.seed, device=device)
         with timing.span("train.fwd_bwd"):

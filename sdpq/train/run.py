@@ -66,6 +66,10 @@ class RunSpec:
     # sdpq.memory's report after the last step (sdpq's hooks' transient peaks measured during the
     # steps) and the bytes of every live tensor, in RunResult.extra["memory"] (slows the steps).
     measure_memory: bool = False
+    # FSDP2 gradient accumulation: "no_sync" skips the reduce-scatter on all but the last
+    # micro-step; "defer_all_reduce" reduce-scatters every micro-step and defers only HSDP's
+    # cross-node all-reduce to the last one (set_requires_all_reduce(False) before it).
+    accumulation: Literal["no_sync", "defer_all_reduce"] = "no_sync"
     # Without an sdpq block: "exact" counts cross-node bytes with sdpq's exact collectives
     # (bitwise the framework's own, see settings.EXACT); "off" runs the framework alone ("not
     # counted"). python -m sdpq.train defaults to "exact"; library callers keep the plain framework.
@@ -77,6 +81,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.backend not in ("fsdp2", "deepspeed", "ddp"):
             raise ValueError(f"RunSpec.backend: {self.backend!r}; allowed: 'fsdp2', 'deepspeed', 'ddp'")
+        if self.accumulation not in ("no_sync", "defer_all_reduce"):
+            raise ValueError(f"RunSpec.accumulation: {self.accumulation!r}; allowed: 'no_sync', 'defer_all_reduce'")
         if self.count_bytes not in ("exact", "off"):
             raise ValueError(f"RunSpec.count_bytes: {self.count_bytes!r}; allowed: 'exact', 'off'")
         if self.deepspeed is not None and self.backend != "deepspeed":

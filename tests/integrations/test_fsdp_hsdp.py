@@ -99,6 +99,26 @@ def test_hsdp_replicate_all_reduce(dist, bf16):
     assert "inter" not in quant[0]["comm"].get("weights", {})
 
 
+def test_hsdp_deferred_all_reduce_runs_once_per_step(dist):
+    """4 micro-steps, each reduce-scattered inside the node, with FSDP2's usual deferral of the
+    cross-node all-reduce (set_requires_all_reduce(False) on the first 3): sdpq all-reduces once
+    per optimizer step, the sum of the 4, like FSDP2's own HSDP."""
+    steps, kw = 3, {"grad_accum": 4, "accumulation": "defer_all_reduce"}
+    res = dist.run(_hsdp_runs, WORLD, RPN, [None, EXACT, QUANT], steps, kw, timeout=150)
+    native, exact, quant = (list(x) for x in zip(*res))
+    for run in (exact, quant):  # the replicas' forward weights are the same bits every step
+        for step in range(steps):
+            assert all(r["fwd"][step] == run[0]["fwd"][step] for r in run), step
+    n, e, q = native[0]["losses"], exact[0]["losses"], quant[0]["losses"]
+    assert all(abs(a - b) / b < 1e-4 for a, b in zip(e, n)), (e, n)
+    assert all(abs(a - b) / b < 0.01 for a, b in zip(q, n)), (q, n)
+    modules = 3
+    e_inter, q_inter = exact[0]["comm"]["gradients"]["inter"], quant[0]["comm"]["gradients"]["inter"]
+    # One all-reduce per module and optimizer step (a quantized one records its two phases).
+    assert e_inter["calls"] == modules * steps and q_inter["calls"] == 2 * modules * steps
+    assert q_inter["bytes"] <= 0.15 * e_inter["bytes"], (q_inter, e_inter)
+
+
 def _resume_runs(ctx, tmp, spec_kw):
     from sdpq.train.fsdp_backend import train
 
