@@ -65,7 +65,7 @@ class ModuleComms:
     topology: Topology = field(repr=False)
     config: Config = field(repr=False)
     weights: WeightGather = field(repr=False)
-    stats: CommStats = field(repr=False)  # the model's counters, shared by its modules
+    stats: CommStats = field(repr=False)  # this module's counters (their parent: the model's)
     gradients: dict = field(default_factory=dict, repr=False)  # {grad_numel: its GradReduceScatter}
     gather_input_numel: int = 0
     grad_numel: int = 0  # reduce-scatter numel when every trainable parameter has a gradient

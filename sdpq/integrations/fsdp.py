@@ -131,7 +131,9 @@ def _param_group_of(name: str, module: Any):
     if len(groups) > 1:
         raise ValueError(
             f"sdpq.fsdp: FSDP module {name or '<root>'} has {len(groups)} param groups "
-            "(per-parameter meshes); sdpq supports one per FSDP module"
+            "(per-parameter meshes); sdpq supports one per FSDP module (FSDP2 refuses custom comm hooks "
+            "on a module with several); shard each group's parameters as a module of their own, e.g. "
+            "fully_shard(block.moe.experts, mesh=...) before fully_shard(block) (docs/fsdp.md)"
         )
     if not groups:
         return None
@@ -227,6 +229,7 @@ def _module_comms(
     N = topo.world_size
     # Every quantization group inside one parameter's shard (the shards lie one after another).
     segments = sharded_segments([(n, 0) for n, _ in numels], 1)[0]
+    stats = CommStats(config=cfg.stats, parent=stats)  # this module's counters; they add up into the model's
     kw: dict[str, Any] = {"dtype": dtype, "device": device, "stats": cfg.stats, "record_to": stats}
     wg = WeightGather(gather_in * N, topo, cfg.weights, segments=segments, **kw)
     comms = ModuleComms(
@@ -340,7 +343,8 @@ def is_applied(model: nn.Module) -> bool:
 
 def module_comms(model: nn.Module) -> dict[str, ModuleComms]:
     """{FSDP module name: its ModuleComms} (weights: its WeightGather, gradients: {numel: its
-    GradReduceScatter}, replicas: {numel: its GradAllReduce} with HSDP)."""
+    GradReduceScatter}, replicas: {numel: its GradAllReduce} with HSDP; stats: the module's own
+    byte counters, e.g. an expert module's apart from the dense layers')."""
     return {c.fqn: c for c in applied(model).comms}
 
 
