@@ -25,6 +25,17 @@ _BENCHES = {
 }
 
 
+# name -> (module, help); every module exposes add_arguments(parser) and main(args) -> int.
+_APPS = {
+    "cluster": (
+        "sdpq.launch.emulated",
+        "run a torchrun job on an emulated K-node cluster (network namespaces, shaped link)",
+    ),
+    "plan": ("sdpq.plan", "per-GPU memory, cross-node bytes and step time of each configuration"),
+    "demo": ("sdpq.demo", "the end-to-end demo (4 CPU ranks, 2 simulated nodes)"),
+}
+
+
 def _module_available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
@@ -101,15 +112,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             importlib.import_module(module).add_arguments(p)
         p.set_defaults(func=_run_bench)
 
-    cl = sub.add_parser(
-        "cluster", help="run a torchrun job on an emulated K-node cluster (network namespaces, shaped link)"
-    )
-    if full("cluster"):
-        from .launch import emulated
-
-        emulated.add_arguments(cl)
-        cl.set_defaults(func=emulated.main)
-
+    _add_apps(sub, full, ("cluster",))
     cfg = sub.add_parser("config", help="print defaults, the option reference, or check a DeepSpeed config")
     cfg.add_argument("--doc", action="store_true", help="markdown reference of every option")
     cfg.add_argument("--check", metavar="DS_CONFIG", help="validate the 'sdpq' block of a DeepSpeed JSON config")
@@ -128,20 +131,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         check_pack.add_arguments(pack_p)
         pack_p.set_defaults(func=check_pack.main)
 
-    pl = sub.add_parser("plan", help="per-GPU memory, cross-node bytes and step time of each configuration")
-    if full("plan"):
-        from . import plan
-
-        plan.add_arguments(pl)
-        pl.set_defaults(func=plan.main)
-
-    d = sub.add_parser("demo", help="the end-to-end demo (4 CPU ranks, 2 simulated nodes)")
-    if full("demo"):
-        from . import demo
-
-        demo.add_arguments(d)
-        d.set_defaults(func=demo.main)
+    _add_apps(sub, full, ("plan", "demo"))
     return parser
+
+
+def _add_apps(sub, full, names: tuple[str, ...]) -> None:
+    """Sub-commands whose module exposes add_arguments(parser) and main(args) -> int (imported
+    only when chosen, or for the top-level --help)."""
+    for name in names:
+        module, help_ = _APPS[name]
+        p = sub.add_parser(name, help=help_)
+        if full(name):
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(func=mod.main)
 
 
 def main(argv: list[str] | None = None) -> int:

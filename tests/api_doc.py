@@ -15,6 +15,7 @@ FRONT = (
     ("sdpq", "ConfigError"),
     ("sdpq.fsdp", "apply"),
     ("sdpq.deepspeed", "initialize"),
+    ("sdpq.ddp", "apply"),
     ("sdpq.optim", "AdamW"),
     ("sdpq.stats", "summary"),
     ("sdpq.stats", "of"),
@@ -26,6 +27,7 @@ FRONT = (
 MODULES = (
     "sdpq.fsdp",
     "sdpq.deepspeed",
+    "sdpq.ddp",
     "sdpq.hf",
     "sdpq.stats",
     "sdpq.memory",

@@ -147,6 +147,7 @@ def _all_reduce(state: DDPState, bucket, buf: torch.Tensor) -> None:
             _exact(state, buf)
         return
     # The parameters of a known bucket in another order: all-reduced in the known order.
+    assert known.segments is not None and layout.segments is not None  # same_parameters checks both
     moved = torch.empty_like(buf)
     theirs = dict(zip(known.params, known.segments))
     for p, s in zip(layout.params, layout.segments):
@@ -169,7 +170,7 @@ def _on_side_stream(state: DDPState, bucket, buf: torch.Tensor) -> torch.futures
     with torch.cuda.stream(side):
         buf.record_stream(side)  # the bucket must outlive the work queued on this stream
         _all_reduce(state, bucket, buf)
-        fut = torch.futures.Future(devices=[buf.device])
+        fut: torch.futures.Future = torch.futures.Future(devices=[buf.device])
         fut.set_result(buf)  # completes on `side`: DDP's consumers wait for it on the device
     return fut
 

@@ -25,14 +25,25 @@ __all__ = ["add_arguments", "spec_from_args", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of python -m sdpq.train, in named groups."""
+    for add in (_job, _schedule, _precision, _model, _data, _output):
+        add(p)
+
+
+def _job(p: argparse.ArgumentParser) -> None:
+    """Which framework runs and from which DeepSpeed config file."""
     p.add_argument("--backend", choices=["fsdp2", "deepspeed", "ddp"], default="fsdp2")
     p.add_argument(
         "--config",
         default=None,
-        help="a DeepSpeed JSON config (run as written by the deepspeed backend; fsdp2 takes its 'sdpq' block, "
+        help="a DeepSpeed JSON config (run as written by the deepspeed backend; fsdp2 and ddp take its 'sdpq' block, "
         "optimizer params, bf16 and gradient_clipping), or a bare sdpq block. A flag given here overrides the "
         "file for that setting only, and says so at start-up",
     )
+
+
+def _schedule(p: argparse.ArgumentParser) -> None:
+    """Steps, batch and optimizer settings (None: the --config file's, see settings.py)."""
     p.add_argument("--steps", type=int, default=200)
     # Settings a --config file may hold default to None: given = overrides the file (settings.py).
     p.add_argument(
@@ -55,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+
+
+def _precision(p: argparse.ArgumentParser) -> None:
+    """Parameter and compute precision."""
     p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
@@ -68,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bf16 compute on full-precision parameters: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
         "reduce_dtype=fp32), DeepSpeed bf16 mode (fp32 master); none = fp32 compute",
     )
+
+
+def _model(p: argparse.ArgumentParser) -> None:
+    """The model and its shape."""
     p.add_argument(
         "--model",
         choices=list(MODELS),
@@ -85,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--model llama: key/value heads, a divisor of --n-head (grouped-query attention; default: --n-head)",
     )
     p.add_argument("--seq-len", type=int, default=128)
+
+
+def _data(p: argparse.ArgumentParser) -> None:
+    """The corpus and the simulated node layout."""
     p.add_argument(
         "--data", default=None, help="directory of text files or Megatron .bin/.idx prefix (default: stdlib source)"
     )
@@ -94,6 +117,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="an integer (simulates nodes on one machine), or 'auto': the file's sdpq.topology.ranks_per_node, "
         "else the launcher's LOCAL_WORLD_SIZE; an integer contradicting the file's integer is an error",
     )
+
+
+def _output(p: argparse.ArgumentParser) -> None:
+    """Checkpoints, logging, evaluation and what the run records."""
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step")
     p.add_argument("--resume", action="store_true", help="resume from --checkpoint-dir")

@@ -119,6 +119,23 @@ def _resume(spec: RunSpec, model, opt, rank: int) -> int:
     return int(state["step"])
 
 
+def _build(spec: RunSpec, device: torch.device, comm_hook: str | None):
+    """(the DDP model, its optimizer, the optimizer's name, the sdpq Config or None): the spec's
+    model on every rank alike, wrapped, with sdpq's hook or torch's `comm_hook` registered."""
+    torch.manual_seed(spec.seed)
+    module: nn.Module = model_from_config(spec.model).to(device)
+    if spec.bf16:
+        module = module.to(torch.bfloat16)
+    model = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    cfg = sdpq_config(spec)
+    opt, opt_name = build_optimizer(spec, model, cfg)
+    if cfg is not None:
+        sdpq_ddp.apply(model, cfg)
+    elif comm_hook is not None:
+        _register_torch_hook(model, comm_hook)
+    return model, opt, opt_name, cfg
+
+
 def train(
     spec: RunSpec, *, checks: bool = False, data: TokenData | None = None, comm_hook: str | None = None
 ) -> RunResult:
@@ -135,17 +152,7 @@ def train(
     spec = with_ranks_per_node(spec, world)
     device = compute_device()
     data = data or (TokenData.from_path(spec.data) if spec.data else TokenData.stdlib())
-    torch.manual_seed(spec.seed)
-    module: nn.Module = model_from_config(spec.model).to(device)
-    if spec.bf16:
-        module = module.to(torch.bfloat16)
-    model = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
-    cfg = sdpq_config(spec)
-    opt, opt_name = build_optimizer(spec, model, cfg)
-    if cfg is not None:
-        sdpq_ddp.apply(model, cfg)
-    elif comm_hook is not None:
-        _register_torch_hook(model, comm_hook)
+    model, opt, opt_name, cfg = _build(spec, device, comm_hook)
     comm_stats.reset()
     start = _resume(spec, model, opt, rank)
     losses = torch.full((spec.steps,), float("nan"), dtype=torch.float32, device=device)

@@ -198,6 +198,18 @@ def _check_records(engine, adapter) -> dict[str, Any]:
     return out
 
 
+def _optional_records(spec: RunSpec, engine, adapter, spans, world: int, checks: bool, memory) -> dict[str, Any]:
+    """What the run records on request: timing spans, check digests, the memory report."""
+    out: dict[str, Any] = {}
+    if spec.timing:
+        out["timing"] = gather_step_timing(spans, world)
+    if checks:
+        out.update(_check_records(engine, adapter))
+    if memory is not None:
+        out["memory"] = memory
+    return out
+
+
 def _resume(spec: RunSpec, engine) -> int:
     """The first step to run: 0, or the step of the DeepSpeed checkpoint when spec.resume."""
     if not spec.resume:
@@ -294,12 +306,7 @@ def _train(
         "step_times": times,
         "ds_config": recorded,
     }
-    if spec.timing:
-        extra["timing"] = gather_step_timing(spans, world)
-    if checks:
-        extra.update(_check_records(engine, adapter))
-    if memory is not None:
-        extra["memory"] = memory
+    extra.update(_optional_records(spec, engine, adapter, spans, world, checks, memory))
     result = RunResult(
         losses=losses,
         val_loss=val,

@@ -185,6 +185,16 @@ def _bf16_from_flags(bf16: bool | None, mixed: str | None) -> bool | None:
     return bool(bf16) or mixed == "bf16"
 
 
+# Settings the DeepSpeed config holds: flag name, RunSpec field, key in the file.
+_FLAGGED = (
+    ("micro-batch", "micro_batch", "train_micro_batch_size_per_gpu"),
+    ("grad-accum", "grad_accum", "gradient_accumulation_steps"),
+    ("grad-clip", "grad_clip", "gradient_clipping"),
+    ("lr", "lr", "optimizer.params.lr"),
+    ("weight-decay", "weight_decay", "optimizer.params.weight_decay"),
+)
+
+
 def resolve(args: Any, env: Mapping[str, str] | None = None) -> Resolved:
     """The RunSpec of parsed `python -m sdpq.train` arguments (flags left out are None), with the
     overrides of the --config file it contains."""
@@ -192,50 +202,12 @@ def resolve(args: Any, env: Mapping[str, str] | None = None) -> Resolved:
     world = int(env["WORLD_SIZE"]) if env.get("WORLD_SIZE") else None
     ds, block = load_config(args.config) if args.config else (None, None)
     overrides: list[Override] = []
-
-    # Settings the DeepSpeed config holds: flag name, RunSpec field, key in the file.
-    flagged = [
-        ("micro-batch", "micro_batch", "train_micro_batch_size_per_gpu"),
-        ("grad-accum", "grad_accum", "gradient_accumulation_steps"),
-        ("grad-clip", "grad_clip", "gradient_clipping"),
-        ("lr", "lr", "optimizer.params.lr"),
-        ("weight-decay", "weight_decay", "optimizer.params.weight_decay"),
-    ]
-    effective = None if ds is None else json.loads(json.dumps(ds))  # a deep copy: the file stays as read
-    values: dict[str, Any] = {}
-    if effective is not None and "optimizer" not in effective:
-        # DeepSpeed would build no optimizer; the training loop needs one.
-        overrides.append(Override(None, "optimizer", _MISSING, _DEFAULT_OPTIMIZER))
-        effective["optimizer"] = json.loads(json.dumps(_DEFAULT_OPTIMIZER))
-    for name, field_, key in flagged:
-        given = getattr(args, field_)
-        in_file = _get(effective, key)
-        if given is not None and effective is not None and in_file != given:
-            overrides.append(Override(_flag(name, given), key, in_file, given))
-            _set(effective, key, given)
-        values[field_] = given if given is not None else in_file
+    effective = _effective_file(ds, overrides)
+    values = _flagged_values(args, effective, overrides)
     values.update(_optimizer_from_file(effective))
     values.update(_batch_from_file(effective, values, world))
     values.update(_precision(args, effective, block, overrides))
-
-    rpn_flag = getattr(args, "ranks_per_node", None)
-    rpn, source = resolve_ranks_per_node(rpn_flag, _get(block, "topology.ranks_per_node"), env, world, args.config)
-    if block is not None and rpn_flag not in (None, "auto") and _get(block, "topology.ranks_per_node") != rpn:
-        old = _get(block, "topology.ranks_per_node")
-        overrides.append(Override(_flag("ranks-per-node", rpn), "sdpq.topology.ranks_per_node", old, rpn))
-        block = json.loads(json.dumps(block))
-        _set(block, "topology.ranks_per_node", rpn)
-        if effective is not None:
-            effective["sdpq"] = block
-
-    if effective is None:  # no file: sdpq.train's defaults for what no flag gave
-        values = {k: (getattr(_DEFAULT, k) if v is _MISSING or v is None else v) for k, v in values.items()}
-    else:  # a file: DeepSpeed's meaning of a key it leaves out
-        values = {k: v for k, v in values.items() if v is not _MISSING and v is not None}
-        values.setdefault("grad_clip", 0.0)
-        values.setdefault("grad_accum", 1)
-        for k in ("lr", "weight_decay"):  # what DeepSpeed's torch_adam builds without them
-            values.setdefault(k, _ADAMW_DEFAULTS[k])
+    rpn, source, block = _topology(args, block, effective, env, world, overrides)
     spec = RunSpec(
         backend=args.backend,
         model=model_config(args),
@@ -253,9 +225,64 @@ def resolve(args: Any, env: Mapping[str, str] | None = None) -> Resolved:
         timing=args.timing,
         count_bytes=args.count_bytes,
         deepspeed=effective if args.backend == "deepspeed" else None,
-        **values,
+        **_with_defaults(values, effective),
     )
     return Resolved(spec, tuple(overrides), args.config, source)
+
+
+def _effective_file(ds: dict | None, overrides: list[Override]) -> dict | None:
+    """A deep copy of the DeepSpeed config (the file stays as read), with the optimizer DeepSpeed
+    would otherwise not build (the training loop needs one)."""
+    if ds is None:
+        return None
+    effective = json.loads(json.dumps(ds))
+    if "optimizer" not in effective:
+        overrides.append(Override(None, "optimizer", _MISSING, _DEFAULT_OPTIMIZER))
+        effective["optimizer"] = json.loads(json.dumps(_DEFAULT_OPTIMIZER))
+    return effective
+
+
+def _flagged_values(args: Any, effective: dict | None, overrides: list[Override]) -> dict[str, Any]:
+    """The settings both a flag and the file may give: the flag wins (and is written into the
+    effective file, recorded as an override), else the file's value (_MISSING: neither)."""
+    values: dict[str, Any] = {}
+    for name, field_, key in _FLAGGED:
+        given = getattr(args, field_)
+        in_file = _get(effective, key)
+        if given is not None and effective is not None and in_file != given:
+            overrides.append(Override(_flag(name, given), key, in_file, given))
+            _set(effective, key, given)
+        values[field_] = given if given is not None else in_file
+    return values
+
+
+def _topology(
+    args: Any, block: dict | None, effective: dict | None, env: Mapping[str, str], world: int | None, overrides
+) -> tuple[Any, str, dict | None]:
+    """(ranks per node, where it came from, the sdpq block with a --ranks-per-node flag written in)."""
+    flag = getattr(args, "ranks_per_node", None)
+    in_block = _get(block, "topology.ranks_per_node")
+    rpn, source = resolve_ranks_per_node(flag, in_block, env, world, args.config)
+    if block is not None and flag not in (None, "auto") and in_block != rpn:
+        overrides.append(Override(_flag("ranks-per-node", rpn), "sdpq.topology.ranks_per_node", in_block, rpn))
+        block = json.loads(json.dumps(block))
+        _set(block, "topology.ranks_per_node", rpn)
+        if effective is not None:
+            effective["sdpq"] = block
+    return rpn, source, block
+
+
+def _with_defaults(values: dict[str, Any], effective: dict | None) -> dict[str, Any]:
+    """Without a file: sdpq.train's defaults for what no flag gave; with one: DeepSpeed's meaning
+    of a key it leaves out."""
+    if effective is None:
+        return {k: (getattr(_DEFAULT, k) if v is _MISSING or v is None else v) for k, v in values.items()}
+    out = {k: v for k, v in values.items() if v is not _MISSING and v is not None}
+    out.setdefault("grad_clip", 0.0)
+    out.setdefault("grad_accum", 1)
+    for k in ("lr", "weight_decay"):  # what DeepSpeed's torch_adam builds without them
+        out.setdefault(k, _ADAMW_DEFAULTS[k])
+    return out
 
 
 def model_config(args: Any) -> ModelConfig:

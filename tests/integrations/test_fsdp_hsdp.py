@@ -117,6 +117,10 @@ def test_hsdp_deferred_all_reduce_runs_once_per_step(dist):
     # One all-reduce per module and optimizer step (a quantized one records its two phases).
     assert e_inter["calls"] == modules * steps and q_inter["calls"] == 2 * modules * steps
     assert q_inter["bytes"] <= 0.15 * e_inter["bytes"], (q_inter, e_inter)
+    print(
+        f"HSDP 2x2, 4 micro-steps deferred: cross-node gradient bytes {q_inter['bytes'] / e_inter['bytes']:.3f} of "
+        f"the fp32 all-reduce's; final loss {q[-1]:.4f} vs FSDP2's HSDP {n[-1]:.4f}"
+    )
 
 
 def _resume_runs(ctx, tmp, spec_kw):
