@@ -153,6 +153,14 @@ def compare(measured: list, framework: str, nodes: int, per_node: int, arm_name:
     return {"ranks": ranks, "max_abs_relative_difference": worst, "model_numel": measured[0]["report"]["model_numel"]}
 
 
+def _args_of(rows: list, args: argparse.Namespace) -> dict:
+    """The arguments that measure every row the file holds (rows kept from earlier runs included)."""
+    shown = {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}
+    shown["frameworks"] = ",".join(f for f in FRAMEWORKS if any(r["framework"] == f for r in rows))
+    shown["arms"] = ",".join(a for a in ARMS if any(r["arm"] == a for r in rows))
+    return shown
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
@@ -179,7 +187,7 @@ def main(argv=None) -> int:
                 measured = run_one(framework, nodes, per_node, arm, args.steps, args.timeout)
                 c = compare(measured, framework, nodes, per_node, arm, args.steps)
                 rows.append({"framework": framework, "layout": f"{nodes}x{per_node}", "arm": arm, **c})
-                out.write_text(json.dumps({"args": vars(args), "meta": provenance(), "rows": rows}, indent=1))
+                out.write_text(json.dumps({"args": _args_of(rows, args), "meta": provenance(), "rows": rows}, indent=1))
                 r0 = c["ranks"][0]
                 print(
                     f"{TAG} {framework:5} {nodes}x{per_node} {arm:9} rank 0: measured "

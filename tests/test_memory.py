@@ -94,7 +94,7 @@ def _check_against_live(plain: dict, with_sdpq: dict) -> MemoryReport:
     return rep
 
 
-@pytest.mark.parametrize("rpn", [2, 4, 1], ids=["2x2", "1x4", "4x1"])
+@pytest.mark.parametrize("rpn", [2, 4], ids=["2x2", "1x4"])  # every layout: benchmarks/plan_check.py
 def test_fsdp2_memory_is_the_live_tensors(dist, rpn):
     res = dist.run(_fsdp_arms, WORLD, rpn, False, timeout=120)
     nodes = WORLD // rpn

@@ -168,7 +168,7 @@ def _train(ctx, block, steps):
 
 
 def test_moe_expert_parallel_layout_trains_with_sdpq(dist):
-    steps = 12
+    steps = 8
     plain = dist.run(_train, WORLD, RPN, None, steps, timeout=120)
     dist.discard(WORLD)
     quant = dist.run(_train, WORLD, RPN, SDPQ, steps, timeout=120)
