@@ -1,4 +1,4 @@
-"""sdpq: sharded data-parallel quantization for DeepSpeed ZeRO-3 and PyTorch FSDP2.
+"""sdpq: sharded data-parallel quantization for DeepSpeed ZeRO-3, PyTorch FSDP2 and DDP.
 
 The front door (``__all__``) is what a training script needs: ``sdpq.Config``, ``sdpq.fsdp.apply``
 or ``sdpq.deepspeed.initialize``, ``sdpq.optim.AdamW``, ``sdpq.stats``, ``sdpq.memory`` and
