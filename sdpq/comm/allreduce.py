@@ -39,6 +39,13 @@ from .topology import Topology
 __all__ = ["GradAllReduce", "exact_all_reduce"]
 
 
+def _gathered(row: torch.Tensor, group) -> torch.Tensor:
+    rows, work = all_gather_rows(row, group)
+    if work is not None:
+        work.wait()
+    return rows
+
+
 def exact_all_reduce(flat: torch.Tensor, topology: Topology, rec: Recorder, divide_by: int | None = None) -> None:
     """The plain SUM all-reduce of `flat` in place (divided by `divide_by` in fp32, if given),
     its bytes recorded as a ring all-reduce sends them."""
@@ -149,9 +156,7 @@ class GradAllReduce:
         with timing.span("grads.encode"):
             wire, _, _ = encode_rows(row, spec, hadamard=self.hadamard, generator=gen)
         with timing.span("comm.grads"):
-            rows, work = all_gather_rows(wire[0], self.topology.world_group)
-            if work is not None:
-                work.wait()
+            rows = self._all_gather_by_node(wire[0])
         with timing.span("grads.decode"):
             if self.hadamard is not None:
                 vals = decode_rows_inverse_hadamard(rows, spec, C, self.hadamard)
@@ -161,11 +166,36 @@ class GradAllReduce:
         self._record_gather(itemsize)
         return vals[:, :cn].reshape(-1) if placement is None else placement.unpack(vals)
 
+    def _all_gather_by_node(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's wire row [N, W] in rank order, each row crossing the inter-node link once
+        per other node: across nodes among the ranks of one local index (n' L + l for every n'),
+        then inside the node (a group within one node, or one rank per node: one all-gather)."""
+        topo = self.topology
+        nodes, L = topo.nodes, topo.ranks_per_node
+        if nodes == 1 or L == 1:
+            return _gathered(row, topo.world_group)
+        across = _gathered(row, topo.inter_group)  # [nodes, W]: the chunks of local index l
+        inside = _gathered(across.reshape(-1), topo.intra_group)  # [L, nodes * W]
+        return inside.view(L, nodes, -1).transpose(0, 1).reshape(nodes * L, -1)
+
     def _record_gather(self, itemsize: int) -> None:
-        # This rank's chunk reaches every other member: L - 1 inside its node, the rest across nodes.
+        # This rank's chunk crosses to the other nodes once each (to the ranks of its local index);
+        # inside the node it passes on the chunks of its local index, one per node.
         topo, wire = self.topology, self.gather_spec.wire_bytes(self.reduce_scatter.padded_chunk)
-        sends = {"intra": topo.ranks_per_node - 1, "inter": (topo.nodes - 1) * topo.ranks_per_node}
-        for link, n in sends.items():
-            if n:
-                elems = n * self._own_valid
-                self._rec.record("gradients", link, bytes=n * wire, elements=elems, baseline_bytes=elems * itemsize)
+        nodes, L = topo.nodes, topo.ranks_per_node
+        cn = self.reduce_scatter.chunk_numel
+        if nodes == 1 or L == 1:
+            peers = topo.world_size - 1
+            link = "inter" if nodes > 1 else "intra"
+            elems = peers * self._own_valid
+            self._rec.record("gradients", link, bytes=peers * wire, elements=elems, baseline_bytes=elems * itemsize)
+            return
+        elems = (nodes - 1) * self._own_valid
+        self._rec.record(
+            "gradients", "inter", bytes=(nodes - 1) * wire, elements=elems, baseline_bytes=elems * itemsize
+        )
+        forwarded = sum(max(0, min(cn, self.numel - (n * L + topo.local_rank) * cn)) for n in range(nodes))
+        elems = (L - 1) * forwarded
+        self._rec.record(
+            "gradients", "intra", bytes=(L - 1) * nodes * wire, elements=elems, baseline_bytes=elems * itemsize
+        )
