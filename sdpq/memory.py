@@ -1,7 +1,7 @@
 """sdpq.memory: the bytes this rank keeps, by kind, counted from the live objects.
 
-    rep = sdpq.memory.report(model, optimizer)   # an FSDP2 model (with or without sdpq) or a
-    print(rep.table())                           # DeepSpeed ZeRO-3 engine (optimizer: its own)
+    rep = sdpq.memory.report(model, optimizer)   # an FSDP2 or DDP model (with or without sdpq) or
+    print(rep.table())                           # a DeepSpeed ZeRO-3 engine (optimizer: its own)
 
     with sdpq.memory.transients() as peaks:      # the allocation peak of every sdpq hook
         train_one_step()
@@ -17,7 +17,7 @@ Kinds (bytes of this rank; `per_param` divides by the model's parameter count, a
 | optimizer_states | moments and their metadata (FP8 scales, step counters) |
 | weight_reference | sdpq's node-resident weight references (`weights.reference`; none on one node) |
 | error_feedback | sdpq's gradient residuals (`gradients.error_feedback`) |
-| sdpq_buffers | sdpq's small persistent tensors (device flags, checksums) |
+| sdpq_buffers | sdpq's other tensors: flags, checksums; HSDP's deferred micro-step sum (fp32) |
 
 A storage shared by several tensors is counted once, in the first kind above that holds it (a
 ZeRO-3 bf16 master aliased to the compute partition is parameters only). What sdpq keeps is
@@ -146,7 +146,9 @@ def _optimizer_tensors(optimizer) -> Iterator[tuple[str, torch.Tensor]]:
         yield ("master" if kind == "master" else "optimizer_states"), t
 
 
-def _fsdp_report(model: nn.Module, optimizer, ledger: _Ledger) -> int:
+def _module_report(model: nn.Module, optimizer, ledger: _Ledger) -> int:
+    """An FSDP2 model (its sharded parameters) or a DDP one (full replicas), sdpq applied or not."""
+    from .integrations import ddp as sdpq_ddp
     from .integrations import fsdp as sdpq_fsdp
 
     params = list(model.parameters())
@@ -158,6 +160,8 @@ def _fsdp_report(model: nn.Module, optimizer, ledger: _Ledger) -> int:
     if sdpq_fsdp.is_applied(model):
         for c in sdpq_fsdp.module_comms(model).values():
             ledger.add_all(c.held_tensors())
+    if sdpq_ddp.is_applied(model):
+        ledger.add_all(sdpq_ddp.held_tensors(model))
     return sum(p.numel() for p in params)
 
 
@@ -201,17 +205,17 @@ def live_tensor_bytes(device: torch.device | str | None = None) -> int:
 
 
 def report(target, optimizer=None, *, transients: TransientPeaks | None = None) -> MemoryReport:
-    """What this rank keeps, by kind (see the module docstring). `target`: an FSDP2 model (sdpq
-    applied or not; pass its `optimizer`) or a DeepSpeed ZeRO-3 engine (its own optimizer is
+    """What this rank keeps, by kind (see the module docstring). `target`: an FSDP2 or DDP model
+    (sdpq applied or not; pass its `optimizer`) or a DeepSpeed ZeRO-3 engine (its own optimizer is
     read). `transients`: what `sdpq.memory.transients()` measured. Not collective."""
     ledger = _Ledger()
     if hasattr(target, "optimizer") and hasattr(target, "module") and hasattr(target.optimizer, "optimizer"):
         numel = _deepspeed_report(target, ledger)
     elif isinstance(target, nn.Module):
-        numel = _fsdp_report(target, optimizer, ledger)
+        numel = _module_report(target, optimizer, ledger)
     else:
         raise TypeError(
-            f"sdpq.memory.report: {type(target).__name__} is neither an FSDP2 model (nn.Module) nor a DeepSpeed engine"
+            f"sdpq.memory.report: {type(target).__name__} is neither a model (FSDP2 or DDP) nor a DeepSpeed engine"
         )
     peaks = dict(transients.peaks) if transients is not None else {}
     return MemoryReport(bytes=ledger.bytes, model_numel=numel, transient_peaks=peaks)

@@ -59,6 +59,8 @@ def exact_all_reduce(flat: torch.Tensor, topology: Topology, rec: Recorder, divi
         flat.copy_(true_div(flat.float(), divide_by))
     item, numel = flat.element_size(), flat.numel()
     R, L = topology.world_size, topology.ranks_per_node
+    if R == 1:
+        return  # nothing was sent
     sent = 2 * (R - 1) * numel // R  # what a ring all-reduce sends per rank
     # Split as the peers are: R - L of the R - 1 other members are on other nodes.
     inter = sent * (R - L) // (R - 1)

@@ -60,10 +60,6 @@ class Reference:
         """Restore the storage from a saved `tensor` (the same kind and shape)."""
         raise NotImplementedError
 
-    def values(self) -> torch.Tensor:
-        """The reconstructed values of every row, fp32 [nodes, C] (a new tensor)."""
-        raise NotImplementedError
-
     def placed_row(self, node: int) -> torch.Tensor:
         """Row `node` as the encoder reads it: fp32 [1, wire_numel] in the wire layout."""
         raise NotImplementedError
@@ -84,11 +80,11 @@ class Reference:
         """The node's gathered payloads [L, payload] -> values [L, nodes, C] in `dtype`."""
         raise NotImplementedError
 
-    # Shared.
     def own_values(self, node: int) -> torch.Tensor:
         """Row `node` (this rank's own shard as every rank reconstructs it), fp32 [C]."""
-        return self.values()[node]
+        raise NotImplementedError
 
+    # Shared.
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
@@ -118,10 +114,14 @@ class FloatReference(Reference):
         return self._t
 
     def load(self, t: torch.Tensor) -> None:
+        # Note: another float storage loads (its rounding is carried into the next difference like
+        # this one's); the int8 rows do not.
+        if not t.is_floating_point() or t.numel() != self.nodes * self.numel:
+            raise ValueError(
+                f"weight reference: saved {t.dtype} {tuple(t.shape)}; this gather keeps {self.kind} "
+                f"[{self.nodes}, {self.numel}] (a checkpoint of weights.reference 'int8' loads into 'int8' only)"
+            )
         self._t = t.to(self.device, self.dtype).clone().view(self.nodes, self.numel)
-
-    def values(self) -> torch.Tensor:
-        return self._t.float()
 
     def own_values(self, node: int) -> torch.Tensor:
         return self._t[node].float()
@@ -178,9 +178,6 @@ class Int8Reference(Reference):
                 f"int8 weight reference: saved {t.dtype} {tuple(t.shape)}, expected uint8 {tuple(self._rows.shape)}"
             )
         self._rows = t.to(self.device).clone()
-
-    def values(self) -> torch.Tensor:
-        return self._unpack(self._decode(self._rows))
 
     def own_values(self, node: int) -> torch.Tensor:
         return self._unpack(self._decode(self._rows[node : node + 1]))[0]

@@ -4,8 +4,8 @@ The bucket of `numel` elements is split into N equal shards of C = ceil(numel / 
 padded with zeros); rank r owns shard r. `gather(shard)` returns the full bucket on every rank.
 
 Modes:
-- "diff": rank (n, l) keeps the node-resident reference R_l = shards {n' * L + l} (bf16 by
-  default; fp32 or int8 by `weights.reference`, see reference.py). Once per weight version
+- "diff": rank (n, l) keeps the node-resident reference R_l = shards {n' * L + l} (in the
+  compute dtype by default; bf16, fp16, fp32 or int8 by `weights.reference`, see reference.py). Once per weight version
   (`mark_weights_changed(exact=False)`), the owner sends Q4(shard - R_l[n]) over the inter-node
   group and every holder of R_l adds the dequantized differences; every gather is then an
   intra-node all-gather of R_l in the compute dtype. Cross-node traffic: ~4 bits per element
@@ -191,7 +191,7 @@ class WeightGather:
 
     @property
     def reference(self) -> torch.Tensor | None:
-        """The storage of R_l (fp32 or bf16 [nodes, C]; int8: its 8-bit wire rows), None before
+        """The storage of R_l (fp32, bf16 or fp16 [nodes, C]; int8: its 8-bit wire rows), None before
         the first refresh and wherever no reference is kept."""
         return None if self._store is None else self._store.tensor
 
@@ -249,8 +249,8 @@ class WeightGather:
             if state.get(key) != mine:
                 raise ValueError(f"WeightGather state has {key}={state.get(key)!r}, this gather has {mine!r}")
         ref = state["reference"]
-        if ref is not None and not self.holds_reference:
-            raise ValueError("WeightGather state has a reference, but this gather keeps none (one node)")
+        if not self.holds_reference:
+            ref = None  # Note: a checkpoint of the one-node reference (the shard itself): nothing to keep
         self._store = None
         if ref is not None:
             self._store = self.new_reference()

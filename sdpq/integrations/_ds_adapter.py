@@ -42,7 +42,7 @@ What is patched, and why there (DeepSpeed 0.19.8):
   like DeepSpeed's own gather, each is copied to the accelerator first.
 - optimizer memory, opt-in (`workarounds.deepspeed_alias_bf16_master`): with sdpq AdamW on bf16
   master partitions (MCF), the master partition list is pointed at the compute partitions
-  (`_alias_bf16_master`), the aliasing ZeRO-3 intends but misses (it compares a torch.device
+  (`_ds_bf16_master.py`), the aliasing ZeRO-3 intends but misses (it compares a torch.device
   with a string), saving a redundant bf16 copy.
 """
 
@@ -61,6 +61,7 @@ from ..comm.agreement import agreement_batch, check_agreement
 from ..comm.hotpath import hot_path
 from ..comm.stats import process_stats, register_holder
 from ..config import Config
+from ._ds_bf16_master import alias_bf16_master
 from ._ds_checkpoint import STATE_FILE, CheckpointMixin
 from ._ds_grads import GradientsMixin, with_suppress
 from ._ds_monitor import install_monitor
@@ -129,7 +130,7 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             self._install_engine()
             install_monitor(self)
             if self.config.workarounds.deepspeed_alias_bf16_master:
-                self._alias_bf16_master()
+                self._undo += alias_bf16_master(self.optimizer)
         except BaseException:
             self.remove()
             raise
@@ -158,31 +159,6 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             self._undo.pop()()
         if getattr(self.engine, "sdpq", None) is self:
             with_suppress(lambda: delattr(self.engine, "sdpq"))
-
-    def _alias_bf16_master(self) -> None:
-        """With bf16 master partitions (sdpq's MCF: the master is the bf16 high part), ZeRO-3 means
-        to use the compute partition itself as the master, but its check compares a torch.device
-        with a device name string (always unequal), so it keeps a second bf16 copy, refreshed from
-        the first after every step: 2 bytes per parameter for nothing. Alias them before the
-        first step (same values at every step, so bitwise the same training)."""
-        from ..optim import AdamW
-
-        z = self.optimizer
-        if (
-            not isinstance(getattr(z, "optimizer", None), AdamW)
-            or z.optimizer.state
-            or z.offload_optimizer
-            or getattr(z, "swap_optimizer", False)
-            or getattr(z, "params_in_nvme_and_cpu", False)
-        ):
-            return
-        for i, (lp, hp) in enumerate(zip(z.fp16_partitioned_groups_flat, z.fp32_partitioned_groups_flat)):
-            if lp is None or lp is hp or lp.dtype != hp.dtype or lp.device != hp.device or lp.shape != hp.shape:
-                continue
-            self._undo.append(functools.partial(_unalias, z, i, hp, lp, getattr(lp, "ds_id", None), lp.requires_grad))
-            lp.ds_id = hp.ds_id
-            lp.requires_grad = True
-            z.fp32_partitioned_groups_flat[i] = lp
 
     # ------------------------------------------------------------------ weights
 
@@ -376,21 +352,6 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         status = _status()
         available = [p for p in self.params.values() if p.ds_status == status.AVAILABLE]
         self._gather_into(sorted(available, key=lambda p: p.ds_id))
-
-
-def _unalias(z, i: int, master, compute, ds_id, requires_grad: bool) -> None:
-    """Undo one aliasing of `_alias_bf16_master`: the separate master partition comes back with
-    the compute partition's values (they were one tensor since) and its optimizer state (DeepSpeed
-    hands the optimizer fp32_partitioned_groups_flat[i] at every step; the state is keyed by it)."""
-    master.data.copy_(compute.data)
-    z.fp32_partitioned_groups_flat[i] = master
-    if compute in z.optimizer.state:
-        z.optimizer.state[master] = z.optimizer.state.pop(compute)
-    if ds_id is None:
-        with_suppress(lambda: delattr(compute, "ds_id"))
-    else:
-        compute.ds_id = ds_id
-    compute.requires_grad = requires_grad
 
 
 def _engine_stats(engine: object) -> CommStats | None:

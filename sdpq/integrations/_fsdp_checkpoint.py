@@ -140,11 +140,17 @@ def _other_layout(template: Mapping[str, torch.Tensor], checkpoint_id, group) ->
             break
         nest = hits[0][0][: len(hits[0][0]) - len(key)]
     if problem is None and nest is not None:
-        # State this layout does not keep (a weight reference saved across nodes, resumed on one).
+        # A weight reference saved across nodes, resumed on one node (which keeps none). Other
+        # saved keys the template lacks (a residual, a rounding stream of a setting turned off)
+        # are simply not loaded.
         mine = f"{nest}rank{dist.get_rank()}."
-        extra = sorted(k for k in saved if k.startswith(mine) and k[len(nest) :] not in template)
+        extra = sorted(
+            k
+            for k in saved
+            if k.startswith(mine) and k.endswith(".weights.reference") and k[len(nest) :] not in template
+        )
         if extra:
-            problem = f"{extra[0][len(nest) :]}: saved, but this run keeps no such state"
+            problem = f"{extra[0][len(nest) :]}: saved across nodes, but this layout keeps no weight reference"
     bad = torch.tensor([1 if problem else 0], dtype=torch.int64, device=group_device(group))
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if not bad.item():

@@ -20,12 +20,15 @@ Note (invariants):
 - `no_sync()` skips the hook: gradients accumulate locally and the next synchronising
   backward all-reduces the sum, once.
 - CUDA: the all-reduce runs on a side stream that waits for the gradients, and the returned
-  future is completed there; nothing waits on the host.
+  future is completed there. The host waits only once per bucket, when its collective is built
+  (the agreement check reads its result), at the bucket's first quantized use.
 
 Checkpoints: `state_dict(model)` / `load_state_dict(model, state)` carry each bucket's residual
-and rounding stream and the iteration count (per rank; save it next to the model's): a resumed
-run quantizes from its first step where the bucket layout is the one saved, bitwise the run
-that was not interrupted.
+and rounding stream and the iteration count (per rank; save it next to the model's). DDP's first
+buckets after a restart are laid out in its initial order; a bucket that holds the parameters of
+a saved one is all-reduced in the saved order, so a resumed run continues bitwise where DDP
+buckets the same parameters as before (the usual case); a bucket of other parameters is
+all-reduced exactly in that first iteration, until DDP has rebuilt its buckets.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from torch import nn
 from .._memprobe import hook_span
 from ..comm import CommStats, GradAllReduce, Topology, TopologyError
 from ..comm.allreduce import exact_all_reduce
-from ..comm.hotpath import hot_path
+from ..comm.hotpath import host_read, hot_path
 from ..comm.segments import Segment
 from ..comm.stats import Recorder, process_stats, register_holder
 from ..config import Config
@@ -67,14 +70,19 @@ class DDPState:
     layouts: dict = dataclasses.field(default_factory=dict)  # bucket key -> its _Layout
     stream: Any = None  # CUDA: the side stream the all-reduces run on
     recorder: Any = None  # the exact iterations' byte counts (into `stats`)
+    exact_until: int = EXACT_ITERATIONS  # unknown buckets are all-reduced exactly before this iteration
+    removed: bool = False  # remove() was called: the hook (DDP keeps it) all-reduces exactly
 
     def reducer(self, layout: _Layout, device) -> GradAllReduce:
         ar = self.reducers.get(layout.key)
-        if ar is None:  # Note: a collective (every rank agrees on the bucket); at the bucket's first use
-            ar = GradAllReduce(
-                layout.key[1], self.topology, self.config.gradients, device=device, stats=self.config.stats,
-                record_to=self.stats, segments=layout.segments,
-            )  # fmt: skip
+        if ar is None:
+            # Note: a collective whose agreement check reads its result on the host: once per
+            # bucket, at its first quantized use (every rank agrees on the bucket or all fail).
+            with host_read():
+                ar = GradAllReduce(
+                    layout.key[1], self.topology, self.config.gradients, device=device, stats=self.config.stats,
+                    record_to=self.stats, segments=layout.segments,
+                )  # fmt: skip
             self.reducers[layout.key], self.layouts[layout.key] = ar, layout
         return ar
 
@@ -137,18 +145,21 @@ _hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 def _all_reduce(state: DDPState, bucket, buf: torch.Tensor) -> None:
-    layout = _bucket_layout(state, bucket)
     N = state.topology.world_size
+    if state.removed:
+        _exact(state, buf)
+        return
+    layout = _bucket_layout(state, bucket)
     known = None if layout.key in state.reducers else state.same_parameters(layout)
     if known is None:
-        if layout.key in state.reducers or state.iteration >= EXACT_ITERATIONS:
+        if layout.key in state.reducers or state.iteration >= state.exact_until:
             state.reducer(layout, buf.device).all_reduce(buf, divide_by=N)
         else:
             _exact(state, buf)
         return
     # The parameters of a known bucket in another order: all-reduced in the known order.
     assert known.segments is not None and layout.segments is not None  # same_parameters checks both
-    moved = torch.empty_like(buf)
+    moved = torch.zeros_like(buf)
     theirs = dict(zip(known.params, known.segments))
     for p, s in zip(layout.params, layout.segments):
         moved[theirs[p].start : theirs[p].start + s.length] = buf[s.start : s.start + s.length]
@@ -206,7 +217,10 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None) ->
             "(wrap the model first: DistributedDataParallel(model))"
         )
     if hasattr(model, ATTR):
-        raise RuntimeError("sdpq.ddp.apply: sdpq is already applied to this model")
+        raise RuntimeError(
+            "sdpq.ddp.apply: sdpq was applied to this DDP module already (remove() cannot unregister DDP's "
+            "comm hook); wrap the model in a new DistributedDataParallel to apply it again"
+        )
     if not dist.is_initialized():
         raise RuntimeError("sdpq.ddp.apply: torch.distributed is not initialised")
     world = Topology.build(cfg.topology)
@@ -226,13 +240,21 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None) ->
 
 
 def is_applied(model: nn.Module) -> bool:
-    return isinstance(getattr(model, ATTR, None), DDPState)
+    """Whether sdpq.ddp.apply installed sdpq's hook on `model` (and remove() has not stopped it)."""
+    state = getattr(model, ATTR, None)
+    return isinstance(state, DDPState) and not state.removed
 
 
 def remove(model: nn.Module) -> None:
-    """Forget sdpq's state. DDP cannot unregister a comm hook: build a new DDP module to train
-    without sdpq."""
-    delattr(model, ATTR)
+    """Stop quantizing: DDP cannot unregister a comm hook, so sdpq's stays and all-reduces
+    exactly (SUM, divided in fp32) from now on. Build a new DDP module for DDP's own all-reduce
+    or to apply sdpq again."""
+    _state_of(model).removed = True
+
+
+def held_tensors(model: nn.Module):
+    """(kind, tensor) of everything sdpq keeps for `model` between steps (sdpq.memory)."""
+    return _state_of(model).held_tensors()
 
 
 def _state_of(model: nn.Module) -> DDPState:
@@ -273,6 +295,9 @@ def load_state_dict(model: nn.Module, saved: Mapping[str, Any]) -> None:
         layout = _Layout(tuple(b["key"]), segments, tuple(b["params"]))
         state.reducer(layout, _device(model)).load_state_dict(b["state"])
     state.iteration = int(saved["iteration"])
+    # Note: DDP's first iteration after a restart runs on its initial buckets; one that holds
+    # other parameters than every saved bucket is all-reduced exactly then (see the module).
+    state.exact_until = state.iteration + 1
 
 
 def _device(model: nn.Module) -> torch.device:

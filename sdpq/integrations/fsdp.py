@@ -331,6 +331,7 @@ def remove(model: nn.Module) -> None:
     for h in state.hooks:
         h.remove()
     for c in state.comms:
+        c._deferred = None  # a deferred micro-step sum is dropped with sdpq's hook
         fsdp_internals.restore_comm_settings(c.module, c._saved, all_reduce=c.replicate is not None)
         delattr(c.module, MODULE_ATTR)
     delattr(model, ROOT_ATTR)

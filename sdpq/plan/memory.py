@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..comm.chunks import chunk_layout
+from ..comm.reference import INT8_GROUP
 from ..comm.segments import aligned_group_spec, sharded_segments
 from ..config import Config
 from ..quant import QuantSpec
@@ -32,8 +33,8 @@ __all__ = ["FRAMEWORKS", "Arm", "rank_memory"]
 
 FRAMEWORKS = ("fsdp2", "hsdp", "zero3")
 Shape = tuple[int, ...]
-INT8_GROUP = 128  # the int8 reference's group (sdpq.comm.reference)
-REFERENCE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "auto": 2}  # auto: bf16 compute, as above
+# "auto" is the compute dtype: bf16 in every setup planned here (see the module docstring).
+REFERENCE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "auto": 2}
 
 
 @dataclass(frozen=True)
@@ -158,5 +159,9 @@ def rank_memory(
     if framework == "zero3":
         return _zero3(units, world, nodes, arm, per_node)
     if framework == "hsdp":  # sharded on the node's L ranks; nothing is gathered across nodes
-        return _fsdp(units, per_node, 1, arm, rank % per_node, per_node)
+        out = _fsdp(units, per_node, 1, arm, rank % per_node, per_node)
+        # The replicate all-reduce's residual (error feedback): its reduce-scatter across nodes.
+        shards = [sum(_local_rows(s[0], per_node, 0)[1] * math.prod(s[1:]) for s in u) for u in units]
+        out["error_feedback"] = sum(_error_feedback(arm.sdpq, n, nodes, 1) for n in shards)
+        return out
     return _fsdp(units, world, nodes, arm, rank, per_node)

@@ -27,7 +27,7 @@ from ..comm import timing
 from ..integrations import ddp as sdpq_ddp
 from ..launch.env import compute_device
 from .data import TokenData
-from .fsdp_backend import _optimizer_bytes_per_param, build_optimizer, sdpq_config
+from .fsdp_backend import build_optimizer, sdpq_config
 from .model import model_from_config
 from .run import (
     TORCH_COLLECTIVES,
@@ -38,6 +38,7 @@ from .run import (
     lr_at,
     median_step_seconds,
     memory_tracking,
+    optimizer_bytes_per_param,
     step_timing,
     validation_loss,
 )
@@ -191,6 +192,6 @@ def train(
         step_seconds=median_step_seconds(times),
         comm=comm,
         cross_node_bytes_per_step=inter / max(1, spec.steps - start) if counted else "not counted",
-        optimizer_bytes_per_param=_optimizer_bytes_per_param(opt, model, device),
+        optimizer_bytes_per_param=optimizer_bytes_per_param(opt, model, device),
         extra=extra,
     )

@@ -42,6 +42,7 @@ from .run import (
     lr_at,
     median_step_seconds,
     memory_tracking,
+    optimizer_bytes_per_param,
     step_timing,
     validation_loss,
 )
@@ -156,30 +157,6 @@ def load_checkpoint(path: str, model, opt) -> int:
 
 
 # ----------------------------------------------------------------------------- statistics
-
-
-def _optimizer_bytes_per_param(opt, model, device: torch.device) -> float:
-    params = [p for p in model.parameters()]
-    try:
-        from ..optim.memory import memory_report
-
-        rep = memory_report(opt)
-        nbytes = sum(rep.get(k, 0) for k in ("weights", "master", "states", "metadata"))
-        numel = sum(local(p).numel() for p in params if any(p is q for g in opt.param_groups for q in g["params"]))
-        # Frozen parameters are weights too.
-        nbytes += sum(local(p).nbytes for p in params if not p.requires_grad)
-        numel += sum(local(p).numel() for p in params if not p.requires_grad)
-    except Exception:  # the optimizer layer's report is unavailable: count tensors ourselves
-        loc = [local(p) for p in params]
-        nbytes = sum(t.nbytes for t in loc)
-        numel = sum(t.numel() for t in loc)
-        for st in opt.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    nbytes += local(v).nbytes
-    t = torch.tensor([float(nbytes), float(numel)], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t[0] / t[1])
 
 
 # ----------------------------------------------------------------------------- training
@@ -340,7 +317,7 @@ def _result(
         step_seconds=median_step_seconds(steps.times),
         comm=comm,
         cross_node_bytes_per_step=inter / max(1, spec.steps - start) if counter else "not counted",
-        optimizer_bytes_per_param=_optimizer_bytes_per_param(opt, model, device),
+        optimizer_bytes_per_param=optimizer_bytes_per_param(opt, model, device),
         extra=extra,
     )
 

@@ -63,8 +63,9 @@ class RunSpec:
     eval_batches: int = 8
     log_every: int = 10
     timing: bool = False  # per-step time spans (sdpq.comm.timing) in RunResult.extra["timing"]
-    # sdpq.memory's report after the last step (sdpq's hooks' transient peaks measured during the
-    # steps) and the bytes of every live tensor, in RunResult.extra["memory"] (slows the steps).
+    # sdpq.memory's report just before the last optimizer step (gradients alive; sdpq's hooks'
+    # transient peaks measured during the steps) and the bytes of every live tensor, in
+    # RunResult.extra["memory"] (slows the steps).
     measure_memory: bool = False
     # FSDP2 gradient accumulation: "no_sync" skips the reduce-scatter on all but the last
     # micro-step; "defer_all_reduce" reduce-scatters every micro-step and defers only HSDP's
@@ -239,6 +240,36 @@ def memory_tracking(spec: RunSpec, target, optimizer=None, steps: int = 0):
                 handle.remove()
         if not out:
             take()
+
+
+def optimizer_bytes_per_param(opt, model, device: torch.device) -> float:
+    """Bytes per parameter of what the optimizer steps (weights, master, states, metadata; frozen
+    parameters count as weights), summed over ranks (collective)."""
+    import torch.distributed as dist
+
+    from ..optim.layout import local
+
+    params = [p for p in model.parameters()]
+    try:
+        from ..optim.memory import memory_report
+
+        rep = memory_report(opt)
+        nbytes = sum(rep.get(k, 0) for k in ("weights", "master", "states", "metadata"))
+        numel = sum(local(p).numel() for p in params if any(p is q for g in opt.param_groups for q in g["params"]))
+        # Frozen parameters are weights too.
+        nbytes += sum(local(p).nbytes for p in params if not p.requires_grad)
+        numel += sum(local(p).numel() for p in params if not p.requires_grad)
+    except Exception:  # the optimizer layer's report is unavailable: count tensors ourselves
+        loc = [local(p) for p in params]
+        nbytes = sum(t.nbytes for t in loc)
+        numel = sum(t.numel() for t in loc)
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    nbytes += local(v).nbytes
+    t = torch.tensor([float(nbytes), float(numel)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
 
 
 def gather_step_timing(per_step: list[dict], world: int) -> list:

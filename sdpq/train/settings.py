@@ -1,4 +1,4 @@
-"""What a run's settings are, resolved in one place for both backends (and the demo's jobs).
+"""What a run's settings are, resolved in one place for every backend (and the demo's jobs).
 
 Order, for every setting: an explicit command-line flag > an explicit value in the ``--config``
 file > the launcher's environment (for ``"auto"``) > the default. A flag overrides the file for

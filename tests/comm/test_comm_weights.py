@@ -93,7 +93,7 @@ def _gather_walk(ctx, numel, cfg_kwargs, steps, lr, dtype):
 
 
 def _diff_cases():
-    """Every layout with the default (bf16) reference; the fp32 and int8 ones on two layouts."""
+    """Every layout with a bf16 reference (the default under bf16 compute); fp32 and int8 on two layouts."""
     cases = [pytest.param(n, l, "bf16", id=f"{n}x{l}-bf16") for n, l in LAYOUTS]
     return cases + [pytest.param(n, l, k, id=f"{n}x{l}-{k}") for k in ("fp32", "int8") for n, l in [(2, 2), (4, 1)]]
 
