@@ -81,3 +81,18 @@ def test_resume_is_bitwise(dist, tmp_path):
     block = {**QUANT, "gradients": {"mode": "two_level", "error_feedback": True, "rounding": "stochastic"}}
     for full, resumed, p_full, p_res in dist.run(_resume, WORLD, RPN, str(tmp_path), block, timeout=120):
         assert resumed[3:] == full[3:] and p_res == p_full[3:]
+
+
+def _guarded(ctx):
+    from sdpq.comm.hotpath import guard_enabled
+    from sdpq.train.ddp_backend import train
+
+    with guard_enabled():  # a host read inside the hook raises HostSyncError
+        return train(_spec(ctx, QUANT, steps=3)).losses
+
+
+def test_hook_reads_nothing_on_the_host(dist):
+    """Inside the hook nothing waits for the device, but the one agreement check per bucket at
+    its first quantized use (sdpq.ddp's docstring)."""
+    losses = dist.run(_guarded, WORLD, RPN, timeout=60)[0]
+    assert len(losses) == 3
