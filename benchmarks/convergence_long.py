@@ -52,12 +52,10 @@ FRAMEWORKS = {"fsdp2": "fsdp2", "zero3": "deepspeed"}
 
 
 @contextlib.contextmanager
-def _fsdp_window(counter):
-    """Count FSDP2's training steps only (not set-up or evaluation): the meter is on inside each
-    step of sdpq.train's loop, and every step is a snapshot."""
-    from sdpq.train import fsdp_backend
-
-    orig = fsdp_backend._step
+def step_window(counter, backend):
+    """Count the training steps of an sdpq.train backend module (fsdp_backend, ddp_backend) only,
+    not set-up or evaluation: the meter is on inside each `_step`, and every step is a snapshot."""
+    orig = backend._step
 
     def step(*a, **kw):
         counter.enabled = True
@@ -68,11 +66,11 @@ def _fsdp_window(counter):
             counter.snapshot()
 
     counter.enabled = False
-    fsdp_backend._step = step
+    backend._step = step
     try:
         yield
     finally:
-        fsdp_backend._step = orig
+        backend._step = orig
 
 
 def run_arm(spec, framework: str) -> dict:
@@ -94,7 +92,7 @@ def run_arm(spec, framework: str) -> dict:
         else:
             from sdpq.train import fsdp_backend
 
-            stack.enter_context(_fsdp_window(counter))
+            stack.enter_context(step_window(counter, fsdp_backend))
             r = fsdp_backend.train(spec)
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, counter.as_dict())

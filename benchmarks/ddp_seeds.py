@@ -24,7 +24,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -65,36 +64,13 @@ def spec_for(args, arm: str, seed: int):
     )
 
 
-@contextlib.contextmanager
-def _window(counter):
-    """Count the training steps only (the meter is on inside ddp_backend's _step)."""
-    from sdpq.train import ddp_backend
-
-    orig = ddp_backend._step
-
-    def step(*a, **kw):
-        counter.enabled = True
-        try:
-            return orig(*a, **kw)
-        finally:
-            counter.enabled = False
-            counter.snapshot()
-
-    counter.enabled = False
-    ddp_backend._step = step
-    try:
-        yield
-    finally:
-        ddp_backend._step = orig
-
-
 def run_arm(spec, hook: str | None) -> dict:
     import torch.distributed as dist
 
     from benchmarks.zeropp.bytes import LinkBytes, sum_over_ranks
     from sdpq.train import ddp_backend
 
-    with LinkBytes(RPN) as counter, _window(counter):
+    with LinkBytes(RPN) as counter, cl.step_window(counter, ddp_backend):
         r = ddp_backend.train(spec, checks=True, comm_hook=hook)
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, counter.as_dict())

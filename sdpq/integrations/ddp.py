@@ -49,6 +49,7 @@ from ..comm.hotpath import host_read, hot_path
 from ..comm.segments import Segment
 from ..comm.stats import Recorder, process_stats, register_holder
 from ..config import Config
+from ._config_arg import as_config
 
 __all__ = ["apply", "remove", "is_applied", "state_dict", "load_state_dict", "DDPState", "EXACT_ITERATIONS"]
 
@@ -189,16 +190,6 @@ def _on_side_stream(state: DDPState, bucket, buf: torch.Tensor) -> torch.futures
 # ----------------------------------------------------------------------------- public API
 
 
-def _as_config(config: Config | Mapping[str, Any] | None) -> Config:
-    if config is None:
-        return Config()
-    if isinstance(config, Config):
-        return config
-    if isinstance(config, Mapping):
-        return Config.from_dict(config)
-    raise TypeError(f"sdpq.ddp.apply: config must be a sdpq.Config, a dict or None, got {type(config).__name__}")
-
-
 def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None) -> DDPState:
     """Register sdpq's quantized all-reduce as `model`'s comm hook (a DistributedDataParallel
     module; collective: call it on every rank alike, before the first backward). The weights
@@ -210,7 +201,7 @@ def apply(model: nn.Module, config: Config | Mapping[str, Any] | None = None) ->
     the DDP group."""
     from torch.nn.parallel import DistributedDataParallel
 
-    cfg = _as_config(config)
+    cfg = as_config(config, "sdpq.ddp.apply")
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(
             f"sdpq.ddp.apply: expected a torch.nn.parallel.DistributedDataParallel, got {type(model).__name__} "

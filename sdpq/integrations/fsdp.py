@@ -58,6 +58,7 @@ from ..comm.segments import sharded_segments
 from ..comm.stats import process_stats
 from ..config import Config
 from . import _fsdp_internals as fsdp_internals
+from ._config_arg import as_config
 from ._fsdp_checkpoint import ResumeLayoutWarning, load_state_dict, state_dict  # re-exported as sdpq.fsdp.*
 from ._fsdp_hooks import (
     MODULE_ATTR,
@@ -86,16 +87,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _as_config(config: Config | Mapping[str, Any] | None) -> Config:
-    if config is None:
-        return Config()
-    if isinstance(config, Config):
-        return config
-    if isinstance(config, Mapping):
-        return Config.from_dict(config)
-    raise TypeError(f"sdpq.fsdp.apply: config must be a sdpq.Config, a dict or None, got {type(config).__name__}")
 
 
 def _fsdp_modules(model: nn.Module) -> list[tuple[str, Any]]:  # (name, an nn.Module that is an FSDPModule)
@@ -287,7 +278,7 @@ def apply(
     already applied (call remove() first); sdpq.comm.TopologyError if config.topology does not fit
     the world or the FSDP mesh; ValueError for FSDP setups sdpq does not support.
     """
-    cfg = _as_config(config)
+    cfg = as_config(config, "sdpq.fsdp.apply")
     modules = _checked_modules(model)
     opts = _optimizers(optimizer)
     groups = [(name, m, _param_group_of(name, m)) for name, m in modules]
