@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results_memory  # noqa: E402  (the memory rows; benchmarks/ is not a package for this script)
+import results_ddp  # noqa: E402  (rows kept in their own files; benchmarks/ is not a package here)
+import results_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -435,6 +436,7 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     reference = load(results_dir, "reference_long.json", "benchmarks/reference_long.py")
     plan_check = load(results_dir, "plan_check.json", "benchmarks/plan_check.py")
     memory_table = load(results_dir, "memory_table.json", "benchmarks/memory_table.py")
+    ddp = load(results_dir, "ddp_seeds.json", "benchmarks/ddp_seeds.py")
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
         ([demo], _demo_rows),
         (zeropp, _zeropp_rows),
@@ -457,6 +459,8 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
         out += results_memory.measured_rows(plan_check)
     if memory_table.exists:
         out += results_memory.planned_rows(memory_table)
+    if ddp.exists:
+        out += results_ddp.ddp_rows(ddp)
     return out + _unrecorded_rows()
 
 
