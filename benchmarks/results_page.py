@@ -37,6 +37,7 @@ NOT_RECORDED = "not recorded"
 # Arguments that do not change a figure (where the file went, how long to wait, log verbosity).
 _UNSHOWN_ARGS = {"out", "timeout", "verbose"}
 
+REFERENCE_FILES = ("reference_long.json", "reference_long_int8.json")
 COLUMNS = ("key", "what you get", "sdpq", "baseline", "sdpq / baseline", "file", "command", "date", "commit", "machine")
 
 
@@ -433,7 +434,7 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     long = load(results_dir, "convergence_long.json", "benchmarks/convergence_long.py")
     gpu = load(results_dir, "gpu_check_h200.json", "./run gpu-check")
     below = load(results_dir, "frontier_long_w2g4.json", "benchmarks/frontier_long.py")
-    reference = load(results_dir, "reference_long.json", "benchmarks/reference_long.py")
+    references = [load(results_dir, f, "benchmarks/reference_long.py") for f in REFERENCE_FILES]
     plan_check = load(results_dir, "plan_check.json", "benchmarks/plan_check.py")
     memory_table = load(results_dir, "memory_table.json", "benchmarks/memory_table.py")
     ddp = load(results_dir, "ddp_seeds.json", "benchmarks/ddp_seeds.py")
@@ -453,8 +454,9 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     out += _long_rows(long)
     if below.exists:  # written by a study of hours; the page is whole without it
         out += _below_four_rows(below)
-    if reference.exists:
-        out += _below_four_rows(reference)
+    for reference in references:  # the weight reference's storage on the long-run protocol
+        if reference.exists:
+            out += _below_four_rows(reference)
     if plan_check.exists:
         out += results_memory.measured_rows(plan_check)
     if memory_table.exists:
