@@ -16,7 +16,7 @@ from sdpq.launch import env as launch_env
 from sdpq.train import deepspeed_backend, fsdp_backend
 from sdpq.train.data import TokenData
 from sdpq.train.model import GPTConfig
-from sdpq.train.run import RunSpec, lr_at, validation_loss
+from sdpq.train.run import RunSpec, lr_at, optimizer_bytes_per_param, validation_loss
 
 META = torch.device("meta")
 SPEC = RunSpec(
@@ -122,7 +122,7 @@ def test_optimizer_bytes_are_all_reduced_on_the_device(collectives):
     model = _Model("cpu")
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(RuntimeError, match="meta"):
-        fsdp_backend._optimizer_bytes_per_param(opt, model, META)
+        optimizer_bytes_per_param(opt, model, META)
     assert collectives == [META]
 
 
