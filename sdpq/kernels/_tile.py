@@ -43,7 +43,11 @@ def exp2(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def round_half_even(y):
+def round_half_even(y, LIBDEVICE: tl.constexpr):
+    """Round to nearest, ties to even: IEEE's default rounding, so the hardware's rint (one FRND)
+    gives the same bits; the interpreter spells it out from floor and the fractional part."""
+    if LIBDEVICE:
+        return libdevice.rint(y)
     fl = tl.floor(y)
     frac = y - fl  # exact for |y| < 2**23
     odd = (fl - 2.0 * tl.floor(fl * 0.5)) != 0.0
@@ -52,8 +56,13 @@ def round_half_even(y):
 
 
 @triton.jit
-def to_bf16_rne(v):
-    """fp32 -> bf16, round to nearest even, NaN kept (as torch; Triton's interpreter truncates)."""
+def to_bf16_rne(v, LIBDEVICE: tl.constexpr):
+    """fp32 -> bf16, round to nearest even, NaN as torch's 0x7FC0. Compiled for a GPU: the
+    conversion instruction (its NaN is 0x7FFF, replaced); Triton's interpreter truncates, so
+    there the rounding is spelled out on the bits."""
+    if LIBDEVICE:
+        nan = tl.full(v.shape, 0x7FC0, tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.where(v != v, nan, v.to(tl.bfloat16, fp_downcast_rounding="rtne"))
     bits = v.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(v != v, 0x7FC0, rounded)
@@ -61,20 +70,25 @@ def to_bf16_rne(v):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def group_scales(v, QMAX: tl.constexpr, SCALE_BF16: tl.constexpr):
     """v: fp32 [M, G] -> (scale fp32 [M] rounded to the wire dtype, finite mask [M])."""
-    amax = tl.max(tl.abs(v), axis=1)
+    # Note: a NaN group must get a NaN scale, as torch.amax gives; tl.max drops NaN.
+    amax = tl.reduce(tl.abs(v), 1, _max_nan)
     s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
     if SCALE_BF16:  # rounded up to bf16 (as sdpq.quant.groupwise): top half of the bits, carried
         s = ((s.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
-    # Note: tl.max does not propagate NaN (torch.amax does): a NaN group must get a NaN scale.
-    s = tl.where(tl.max((v != v).to(tl.int32), axis=1) > 0, float("nan"), s)
+        s = tl.where(amax != amax, float("nan"), s)  # the carry would turn some NaN bits into inf
     finite = tl.abs(s) < float("inf")  # False for inf and NaN
     return s, finite
 
 
 @triton.jit
-def quantize_tile(v, s, finite, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+def quantize_tile(v, s, finite, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, LIBDEVICE: tl.constexpr):
     """fp32 [M, G] values with their group scales -> int32 codes in [-QMAX, QMAX].
     offs: a distinct int per element (the stochastic stream's counter)."""
     safe = tl.where(finite & (s > 0), s, 1.0)
@@ -82,7 +96,7 @@ def quantize_tile(v, s, finite, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.c
     if STOCHASTIC:
         y = tl.floor(y + tl.rand(seed, offs))
     else:
-        y = round_half_even(y)
+        y = round_half_even(y, LIBDEVICE)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     y = tl.where(finite[:, None], y, 0.0)
     return y.to(tl.int32)

@@ -41,7 +41,7 @@ def _e4m3_table(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _encode_e4m3(x):
+def _encode_e4m3(x, LIBDEVICE: tl.constexpr):
     """fp32 (|x| <= 448 or NaN) -> E4M3 code bits (int32 0..255), round to nearest even."""
     a = tl.abs(x)
     bits = a.to(tl.int32, bitcast=True)
@@ -51,7 +51,7 @@ def _encode_e4m3(x):
     rem = mant & 0xFFFFF
     up = (rem > 0x80000) | ((rem == 0x80000) & ((r & 1) == 1))
     normal = ((e + 7) << 3) + r + up.to(tl.int32)
-    sub = round_half_even(a * 512.0).to(tl.int32)  # below 2^-6: steps of 2^-9 (8 = the first normal)
+    sub = round_half_even(a * 512.0, LIBDEVICE).to(tl.int32)  # below 2^-6: steps of 2^-9 (8 = the first normal)
     code = tl.where(e < -6, sub, normal)
     code = tl.where(x.to(tl.int32, bitcast=True) < 0, code | 0x80, code)  # the sign bit: -0.0 too
     return tl.where(x != x, 0x7F, code)
@@ -92,7 +92,7 @@ def _encode_group(
     bias = tl.where(bad, float("nan"), -(k * log2(gm, LIBDEVICE) + log2(s, LIBDEVICE)))
     mag = tl.minimum(exp2(log2(a, LIBDEVICE) * k[:, None] + bias[:, None], LIBDEVICE), FMAX)
     sign = x.to(tl.int32, bitcast=True) < 0  # copysign, as the reference (-0.0 keeps its sign)
-    code = _encode_e4m3(tl.where(sign, -mag, mag))
+    code = _encode_e4m3(tl.where(sign, -mag, mag), LIBDEVICE)
     tl.store(codes_ptr + offs, code.to(tl.uint8), mask=m)
     tl.store(s_ptr + goffs, tl.where(bad, float("nan"), s), mask=gm_mask)
     tl.store(k_ptr + goffs, k, mask=gm_mask)
@@ -154,10 +154,10 @@ def _adamw_kernel(
     h = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     lo = tl.load(lo_ptr + offs, mask=m, other=0.0).to(tl.float32)
     d = tl.math.div_rn(ma, denom) * (-step_size) + (h + lo) * (-lr_wd)
-    s = to_bf16_rne(h + d).to(tl.float32)
-    lo1 = to_bf16_rne(lo + (d - (s - h))).to(tl.float32)
-    hi_new = to_bf16_rne(s + lo1)
-    lo_new = to_bf16_rne(lo1 - (hi_new.to(tl.float32) - s))
+    s = to_bf16_rne(h + d, LIBDEVICE).to(tl.float32)
+    lo1 = to_bf16_rne(lo + (d - (s - h)), LIBDEVICE).to(tl.float32)
+    hi_new = to_bf16_rne(s + lo1, LIBDEVICE)
+    lo_new = to_bf16_rne(lo1 - (hi_new.to(tl.float32) - s), LIBDEVICE)
     tl.store(w_ptr + offs, hi_new, mask=m)
     tl.store(lo_ptr + offs, lo_new, mask=m)
 

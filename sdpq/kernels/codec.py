@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, num_warps, program_index
+from ._launch import launch, libdevice_for, num_warps, program_index
 from ._tile import (
     dequantize_tile,
     fwht,
@@ -45,14 +45,16 @@ __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
 @triton.jit
 def _store_groups(vg, row_ptr, code_bytes, groups, gmask, offs, seed, flag_ptr,
                   G: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
-                  SCALE_BF16: tl.constexpr):  # fmt: skip
+                  SCALE_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
     """Quantize the [groups, G] values vg into a wire row (codes, then scales) and count the
     groups that held inf/NaN into flag_ptr. offs: each element's position in the random stream."""
     s, finite = group_scales(vg, QMAX, SCALE_BF16)
-    codes = quantize_tile(vg, s, finite, offs, seed, QMAX, STOCHASTIC)
+    codes = quantize_tile(vg, s, finite, offs, seed, QMAX, STOCHASTIC, LIBDEVICE)
     store_codes(row_ptr, codes, groups, G, BITS, gmask)
     store_scales(row_ptr + code_bytes, s, groups, SCALE_BF16, gmask)
-    tl.atomic_add(flag_ptr, tl.sum((gmask & ~finite).to(tl.int32)))
+    bad = tl.sum((gmask & ~finite).to(tl.int32))
+    if bad > 0:  # Note: a relaxed atomic, and none at all (no fence) in the common all-finite tile
+        tl.atomic_add(flag_ptr, bad, sem="relaxed")
 
 
 @triton.jit
@@ -90,6 +92,7 @@ def _encode_kernel(
     HB: tl.constexpr,
     LOG2HB: tl.constexpr,
     WRITE_OWN: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     p = program_index()  # int64: row offsets (r * stride) may pass 2^31
     r = p // tiles_per_row
@@ -115,7 +118,9 @@ def _encode_kernel(
     offs = (p * TILE + tl.reshape(tl.arange(0, TILE), [NG, G])).to(tl.int32)
     og = seg * tl.cdiv(n, G) + groups  # group index inside the (segmented) output row
     row_ptr = out_ptr + (r % P) * out_stride
-    _store_groups(vg, row_ptr, code_bytes, og, gmask, offs, seed, flag_ptr, G, BITS, QMAX, STOCHASTIC, SCALE_BF16)
+    _store_groups(
+        vg, row_ptr, code_bytes, og, gmask, offs, seed, flag_ptr, G, BITS, QMAX, STOCHASTIC, SCALE_BF16, LIBDEVICE
+    )
 
 
 @triton.jit
@@ -132,6 +137,7 @@ def _decode_kernel(
     BITS: tl.constexpr,
     SCALE_BF16: tl.constexpr,
     ADD: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     p = program_index()
     r = p // tiles_per_row
@@ -147,7 +153,7 @@ def _decode_kernel(
     if ADD:
         v = tl.load(dst, mask=m, other=0.0).to(tl.float32) + v
     if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(dst, to_bf16_rne(v), mask=m)
+        tl.store(dst, to_bf16_rne(v, LIBDEVICE), mask=m)
     else:
         tl.store(dst, v.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -215,6 +221,7 @@ def _reduce_kernel(
     QMAX2: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     SCALE2_BF16: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     t = program_index()
     NG: tl.constexpr = TILE // G
@@ -237,7 +244,7 @@ def _reduce_kernel(
         _store_groups(
             vg, enc_ptr + e_row * enc_stride, enc_code_bytes, groups2, g2mask,
             tl.reshape(col, [NG2, G2]).to(tl.int32), seed,
-            flag_ptr, G2, BITS2, QMAX2, STOCHASTIC, SCALE2_BF16,
+            flag_ptr, G2, BITS2, QMAX2, STOCHASTIC, SCALE2_BF16, LIBDEVICE,
         )  # fmt: skip
     else:
         if HB > 1:  # D H y: butterflies, then the signs (as the reference)
@@ -306,6 +313,7 @@ def encode_rows(
         HB=hb,
         LOG2HB=int(math.log2(hb)),
         WRITE_OWN=own is not None,
+        LIBDEVICE=libdevice_for(x),
         num_warps=num_warps(tile),
         **_spec_args(spec),
     )
@@ -329,6 +337,7 @@ def decode_rows(buf: torch.Tensor, spec, numel: int, out: torch.Tensor, *, add: 
         spec.code_bytes(numel),
         TILE=tile,
         ADD=add,
+        LIBDEVICE=libdevice_for(buf),
         num_warps=num_warps(tile),
         **_spec_args(spec),
     )
@@ -408,6 +417,7 @@ def reduce_rows(
         LOG2HB=int(math.log2(hb)) if encode_spec is None else 0,
         ENCODE=encode_spec is not None,
         STOCHASTIC=stochastic,
+        LIBDEVICE=libdevice_for(buf),
         num_warps=num_warps(tile),
         **_spec_args(spec),
         **e_args,

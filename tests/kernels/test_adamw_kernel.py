@@ -17,6 +17,7 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from sdpq.kernels._launch import libdevice_for  # noqa: E402
 from sdpq.kernels.adamw import _e4m3_table, _encode_e4m3, adamw_fp8_mcf_step  # noqa: E402
 from sdpq.optim import AdamW, states  # noqa: E402
 from sdpq.optim.layout import rows  # noqa: E402
@@ -25,10 +26,10 @@ DEV = "cuda" if CUDA else "cpu"
 
 
 @triton.jit
-def _enc(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _enc(x_ptr, out_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < n, other=0.0)
-    tl.store(out_ptr + i, _encode_e4m3(x).to(tl.uint8), mask=i < n)
+    tl.store(out_ptr + i, _encode_e4m3(x, LIBDEVICE).to(tl.uint8), mask=i < n)
 
 
 def test_e4m3_encoding_is_torch_rounding():
@@ -41,7 +42,7 @@ def test_e4m3_encoding_is_torch_rounding():
         [finite, mids, -mids, mids * (1 + 2**-20), mids * (1 - 2**-20), torch.tensor([float("nan")], device=DEV)]
     )
     out = torch.empty(x.numel(), dtype=torch.uint8, device=DEV)
-    _enc[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    _enc[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024, LIBDEVICE=libdevice_for(x))
     want = x.to(torch.float8_e4m3fn).view(torch.uint8)
     nan = x.isnan()
     assert torch.equal(out[~nan], want[~nan]) and out[nan].item() in (0x7F, 0xFF)
