@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_ddp  # noqa: E402  (rows kept in their own files; benchmarks/ is not a package here)
+import results_kernels  # noqa: E402
 import results_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,6 +358,17 @@ def _below_four_rows(src: Source) -> list[Row]:
     return rows
 
 
+GPU_SPEED_COMMAND = "./run gpu-check --only env throughput adamw_speed step_share"
+
+
+def _not_yet_measured(key: str, what: str) -> Row:
+    """A row for a figure that needs a GPU run no results file holds yet."""
+    nothing = "not yet measured"
+    file = "none (benchmarks/results/gpu_speed.json)"
+    command = f"`{GPU_SPEED_COMMAND}`"
+    return Row(key, what, nothing, nothing, nothing, file, command, NOT_RECORDED, NOT_RECORDED, NOT_RECORDED)
+
+
 def _unrecorded_rows() -> list[Row]:
     """Figures the page reports elsewhere but no results file holds: the table says so."""
     return [
@@ -438,6 +450,8 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     plan_check = load(results_dir, "plan_check.json", "benchmarks/plan_check.py")
     memory_table = load(results_dir, "memory_table.json", "benchmarks/memory_table.py")
     ddp = load(results_dir, "ddp_seeds.json", "benchmarks/ddp_seeds.py")
+    budget = load(results_dir, "kernel_budget.json", "benchmarks/kernel_budget.py")
+    speed = load(results_dir, "gpu_speed.json", GPU_SPEED_COMMAND)
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
         ([demo], _demo_rows),
         (zeropp, _zeropp_rows),
@@ -463,6 +477,9 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
         out += results_memory.planned_rows(memory_table)
     if ddp.exists:
         out += results_ddp.ddp_rows(ddp)
+    if budget.exists:
+        out += results_kernels.budget_rows(budget)
+    out += results_kernels.speed_rows(speed, _not_yet_measured)
     return out + _unrecorded_rows()
 
 
