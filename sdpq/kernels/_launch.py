@@ -19,7 +19,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-__all__ = ["GRID_LIMITS", "check_grid", "launch", "libdevice_for", "num_warps", "program_index"]
+__all__ = ["GRID_LIMITS", "check_grid", "fp8_hw_for", "launch", "libdevice_for", "num_warps", "program_index"]
 
 # CUDA's gridDim limits (x, y, z) on every architecture Triton targets.
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
@@ -47,6 +47,16 @@ def libdevice_for(t: Any) -> bool:
     """The LIBDEVICE constexpr of a kernel on tensor t: CUDA's math library where the kernel is
     compiled for a GPU; the interpreter (TRITON_INTERPRET=1) has no libdevice."""
     return bool(t.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def fp8_hw_for(t: Any) -> bool:
+    """The FP8_HW constexpr: the GPU converts fp32 to FP8 in hardware (sm_89 and later; Triton
+    has no FP8 type for earlier GPUs, nor in the interpreter)."""
+    if not libdevice_for(t):
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:

@@ -1,6 +1,6 @@
 """One fused AdamW step on FP8 (E4M3, COAT-expanded) moments and an MCF (bf16 pair) master.
 
-Per group of ``G`` elements of one row, in registers: decode m and v (256-entry table + the
+Per group of ``G`` elements of one row, in registers: decode m and v (256-entry log2 table + the
 group's k, gm, scale), m = lerp(m, g, 1 - b1), v = b2 v + (1 - b2) g^2, re-encode both with
 fresh expansion metadata, then Grow the bf16 pair (w, lo) by -step_size m / (sqrt(v)/bc2 + eps)
 - lr wd (w + lo). One read and one write of every state byte; the PyTorch path in
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, libdevice_for, num_warps, program_index
+from ._launch import fp8_hw_for, launch, libdevice_for, num_warps, program_index
 from ._tile import exp2, log2, round_half_even, to_bf16_rne
 
 __all__ = ["adamw_fp8_mcf_step"]
@@ -33,16 +33,25 @@ _TABLES: dict = {}
 
 
 def _e4m3_table(device: torch.device) -> torch.Tensor:
+    """The fp32 value of every E4M3 code."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+
+
+def _log2_table(device: torch.device) -> torch.Tensor:
+    """log2 |value| of every E4M3 code, computed by torch on `device`: the numbers the PyTorch
+    path's ``c.abs().log2()`` gives there (0 -> -inf, NaN -> NaN), one load instead of a log2."""
     if device not in _TABLES:
-        _TABLES[device] = (
-            torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
-        )
+        _TABLES[device] = _e4m3_table(device).abs().log2()
     return _TABLES[device]
 
 
 @triton.jit
-def _encode_e4m3(x, LIBDEVICE: tl.constexpr):
-    """fp32 (|x| <= 448 or NaN) -> E4M3 code bits (int32 0..255), round to nearest even."""
+def _encode_e4m3(x, LIBDEVICE: tl.constexpr, FP8_HW: tl.constexpr = False):
+    """fp32 (|x| <= 448 or NaN) -> E4M3 code bits (int32 0..255), round to nearest even.
+    FP8_HW (sm_89 and later): the conversion instruction, the same bits (it saturates, which
+    |x| <= 448 never needs, and its NaN is 0x7F as here)."""
+    if FP8_HW:
+        return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
     a = tl.abs(x)
     bits = a.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127
@@ -58,22 +67,22 @@ def _encode_e4m3(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _decode_group(codes_ptr, s_ptr, k_ptr, gm_ptr, table_ptr, offs, m, goffs, gmask, LIBDEVICE: tl.constexpr):
+def _decode_group(codes_ptr, s_ptr, k_ptr, gm_ptr, log2_ptr, offs, m, goffs, gmask, LIBDEVICE: tl.constexpr):
     """The fp32 values of one moment's groups (codes decoded through the group's s, k, gm)."""
     s = tl.load(s_ptr + goffs, mask=gmask, other=0.0)
     k = tl.load(k_ptr + goffs, mask=gmask, other=1.0)
     gm = tl.load(gm_ptr + goffs, mask=gmask, other=1.0)
-    c = tl.load(table_ptr + tl.load(codes_ptr + offs, mask=m, other=0).to(tl.int32))
+    code = tl.load(codes_ptr + offs, mask=m, other=0).to(tl.int32)
     inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)  # torch's reciprocal: IEEE
     bias = tl.where(tl.abs(s) < float("inf"), log2(s, LIBDEVICE) * inv_k + log2(gm, LIBDEVICE), float("nan"))
-    y = exp2(log2(tl.abs(c), LIBDEVICE) * inv_k[:, None] + bias[:, None], LIBDEVICE)
-    return tl.where(c < 0, -y, y)
+    y = exp2(tl.load(log2_ptr + code) * inv_k[:, None] + bias[:, None], LIBDEVICE)
+    return tl.where(code >= 0x80, -y, y)  # copysign: the code's sign bit
 
 
 @triton.jit
 def _encode_group(
     x, codes_ptr, s_ptr, k_ptr, gm_ptr, offs, m, goffs, gm_mask,
-    FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr, LIBDEVICE: tl.constexpr,
+    FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr, LIBDEVICE: tl.constexpr, FP8_HW: tl.constexpr,
 ):  # fmt: skip
     a = tl.abs(x)
     mx = tl.max(a, axis=1)
@@ -92,7 +101,7 @@ def _encode_group(
     bias = tl.where(bad, float("nan"), -(k * log2(gm, LIBDEVICE) + log2(s, LIBDEVICE)))
     mag = tl.minimum(exp2(log2(a, LIBDEVICE) * k[:, None] + bias[:, None], LIBDEVICE), FMAX)
     sign = x.to(tl.int32, bitcast=True) < 0  # copysign, as the reference (-0.0 keeps its sign)
-    code = _encode_e4m3(tl.where(sign, -mag, mag), LIBDEVICE)
+    code = _encode_e4m3(tl.where(sign, -mag, mag), LIBDEVICE, FP8_HW)
     tl.store(codes_ptr + offs, code.to(tl.uint8), mask=m)
     tl.store(s_ptr + goffs, tl.where(bad, float("nan"), s), mask=gm_mask)
     tl.store(k_ptr + goffs, k, mask=gm_mask)
@@ -104,7 +113,7 @@ def _adamw_kernel(
     w_ptr,
     lo_ptr,
     g_ptr,
-    table_ptr,
+    log2_ptr,
     mc_ptr,
     ms_ptr,
     mk_ptr,
@@ -128,6 +137,7 @@ def _adamw_kernel(
     FMAX: tl.constexpr,
     LOG2_FMAX: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    FP8_HW: tl.constexpr,
 ):
     p = program_index()  # int64: row * n_cols may pass 2^31
     row = p // tiles_per_row
@@ -139,15 +149,15 @@ def _adamw_kernel(
     goffs = row * n_groups + grp
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     # First moment: decode, lerp (torch's formula for weights < 0.5), re-encode.
-    ma = _decode_group(mc_ptr, ms_ptr, mk_ptr, mg_ptr, table_ptr, offs, m, goffs, gmask, LIBDEVICE)
+    ma = _decode_group(mc_ptr, ms_ptr, mk_ptr, mg_ptr, log2_ptr, offs, m, goffs, gmask, LIBDEVICE)
     ma = ma + one_minus_b1 * (g - ma)
     ma = tl.where(m, ma, 0.0)
-    _encode_group(ma, mc_ptr, ms_ptr, mk_ptr, mg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX, LIBDEVICE)
+    _encode_group(ma, mc_ptr, ms_ptr, mk_ptr, mg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX, LIBDEVICE, FP8_HW)
     # Second moment.
-    va = _decode_group(vc_ptr, vs_ptr, vk_ptr, vg_ptr, table_ptr, offs, m, goffs, gmask, LIBDEVICE)
+    va = _decode_group(vc_ptr, vs_ptr, vk_ptr, vg_ptr, log2_ptr, offs, m, goffs, gmask, LIBDEVICE)
     va = va * b2 + one_minus_b2 * g * g  # addcmul's order: (value * g) * g
     va = tl.where(m, va, 0.0)
-    _encode_group(va, vc_ptr, vs_ptr, vk_ptr, vg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX, LIBDEVICE)
+    _encode_group(va, vc_ptr, vs_ptr, vk_ptr, vg_ptr, offs, m, goffs, gmask, FMAX, LOG2_FMAX, LIBDEVICE, FP8_HW)
     # MCF master: one Grow of (w, lo) by the decay and the Adam step together.
     # IEEE sqrt and division, as torch (tl.sqrt and / may compile to approximations)
     denom = tl.math.div_rn(tl.sqrt_rn(va), tl.full(va.shape, bc2_sqrt, tl.float32)) + eps
@@ -190,7 +200,7 @@ def adamw_fp8_mcf_step(
         w,
         lo,
         grad,
-        _e4m3_table(w.device),
+        _log2_table(w.device),
         *m_state,
         *v_state,
         cols,
@@ -208,5 +218,6 @@ def adamw_fp8_mcf_step(
         FMAX=_E4M3_MAX,
         LOG2_FMAX=_LOG2_FMAX,
         LIBDEVICE=libdevice_for(w),
+        FP8_HW=fp8_hw_for(w),
         num_warps=num_warps(gpb * G, per_warp=256),
     )

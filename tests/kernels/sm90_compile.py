@@ -48,7 +48,7 @@ codec.launch = _record  # the wrappers' launches are recorded, not run
 adamw.launch = _record
 # The tensors are on the CPU, but the kernels are compiled as a GPU runs them: with CUDA's math
 # library and the hardware's rounding instructions (the LIBDEVICE constexpr).
-codec.libdevice_for = adamw.libdevice_for = lambda t: True
+codec.libdevice_for = adamw.libdevice_for = adamw.fp8_hw_for = lambda t: True
 
 
 def _cuobjdump(cubin: bytes, *flags: str) -> str:

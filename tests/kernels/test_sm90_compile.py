@@ -42,8 +42,8 @@ OVER_BUDGET = {
     # the Walsh-Hadamard butterflies exchange data between threads at every stage (~30 barriers)
     "encode hadamard 8b G128 fp32": (65.7, 62.8),
     "encode hadamard 8b G128 bf16 2 segments own (gradients)": (73.3, 62.8),
-    # two FP8 moments decoded and encoded through libdevice log2/exp2 per element
-    "adamw G128 fp32 grads (optimizer)": (355.8, 204.4),
+    # two FP8 moments decoded and encoded per element: log2 (libdevice), exp2, IEEE div and sqrt
+    "adamw G128 fp32 grads (optimizer)": (279.1, 204.4),
 }
 
 
