@@ -183,3 +183,25 @@ def test_operator_adapters_match_the_cpu_operator():
         red = (wire, 2048, 4, 128, True, own, 0, ok, signs if tail[0] == 0 else None, *tail)
         got, want = codec_ops.triton_reduce_rows(*red), torch.ops.sdpq.reduce_rows(*red)
         assert all(_same(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32), QuantSpec(8, 32, scale_dtype=torch.bfloat16)], ids=str)
+def test_division_by_the_group_scale_is_ieee(spec):
+    """The kernels divide by a group's scale with one reciprocal per group (Markstein's
+    correction, _tile.div_by_group): every quotient must still round as IEEE division does.
+    Values sit on and one ulp beside each half-integer multiple of the scale (where a quotient
+    off by one ulp changes the code), in groups from the subnormal range to near fp32's top."""
+    G, q = spec.group_size, spec.qmax
+    half = torch.arange(-2 * q, 2 * q + 1, dtype=torch.float32)[: G - 1] / 2  # k / 2 for |k| <= 2 qmax
+    rows = []
+    for mag in (2.0**-140, 1e-38, 3e-30, 1e-10, 0.37, 1.0, 7e5, 3e29, 2.0**101, 1e38):
+        s = torch.tensor(mag / q, dtype=torch.float32)
+        base = torch.cat([torch.tensor([mag], dtype=torch.float32), half * s])  # amax = mag: scale ~ s
+        for toward in (None, float("inf"), float("-inf")):
+            vals = base if toward is None else torch.nextafter(base, torch.full_like(base, toward))
+            vals[0] = mag
+            rows.append(vals)
+    x = torch.stack(rows).to(DEV)
+    got = codec.encode_rows(x, spec)[0]
+    want = _encode_rows_ref(x, spec, None, 1, None, None, None)[0]
+    assert torch.equal(got, want)
