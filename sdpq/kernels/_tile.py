@@ -199,9 +199,10 @@ def load_scales(ptr, groups, SCALE_BF16: tl.constexpr, mask):
 
 @triton.jit
 def dequantize_tile(codes, s):
-    """fp32 codes [M, G] x scales [M]; non-finite scales decode to NaN (as ``dequantize``)."""
-    v = codes * s[:, None]
-    return tl.where((tl.abs(s) < float("inf"))[:, None], v, float("nan"))
+    """fp32 codes [M, G] x scales [M]; non-finite scales decode to NaN (as ``dequantize``):
+    a NaN scale per group, so no element needs a test (code x NaN is NaN, code 0 too)."""
+    s = tl.where(tl.abs(s) < float("inf"), s, float("nan"))
+    return codes * s[:, None]
 
 
 @triton.jit
