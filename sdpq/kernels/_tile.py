@@ -110,13 +110,21 @@ def div_by_group(v, s):
 
 
 @triton.jit
-def quantize_tile(v, s, finite, offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, LIBDEVICE: tl.constexpr):
+def uniform_tile(seed, c4, M: tl.constexpr, G: tl.constexpr):
+    """[M, G] uniforms in [0, 1) from one Philox call (four draws) per four elements: c4
+    [M, G // 4] holds a distinct counter per run of four (its element's position / 4)."""
+    u0, u1, u2, u3 = tl.rand4x(seed, c4)
+    return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [M, G])
+
+
+@triton.jit
+def quantize_tile(v, s, finite, c4, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, LIBDEVICE: tl.constexpr):
     """fp32 [M, G] values with their group scales -> int32 codes in [-QMAX, QMAX].
-    offs: a distinct int per element (the stochastic stream's counter)."""
+    c4: the stochastic stream's counters, one per four elements [M, G // 4] (see uniform_tile)."""
     safe = tl.where(finite & (s > 0), s, 1.0)
     y = div_by_group(v, safe)
     if STOCHASTIC:
-        y = tl.floor(y + tl.rand(seed, offs))
+        y = tl.floor(y + uniform_tile(seed, c4, v.shape[0], v.shape[1]))
     else:
         y = round_half_even(y, LIBDEVICE)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)

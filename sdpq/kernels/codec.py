@@ -11,7 +11,8 @@ every group size and Hadamard block involved, so groups and blocks never straddl
 The layouts are those of ``sdpq.quant.wire`` (codes, then little-endian scales); the math is
 that of ``sdpq.quant`` step for step (see ``_tile``), so results are bitwise equal to the
 PyTorch reference with nearest rounding. Stochastic rounding draws from Triton's Philox stream
-(``tl.rand``), not torch's generator: unbiased as the reference, not the same draws.
+(``tl.rand4x``, four draws per call), not torch's generator: unbiased as the reference, not the
+same draws.
 
 Note: "segmented" rows. The gradient reduce-scatter quantizes rows that are concatenations of
 ``segments`` input rows (row l of the wire buffer = input rows l, l + P, l + 2P, ...); the
@@ -43,13 +44,13 @@ __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
 
 
 @triton.jit
-def _store_groups(vg, row_ptr, code_bytes, groups, gmask, offs, seed, flag_ptr,
+def _store_groups(vg, row_ptr, code_bytes, groups, gmask, c4, seed, flag_ptr,
                   G: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
                   SCALE_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
     """Quantize the [groups, G] values vg into a wire row (codes, then scales) and count the
-    groups that held inf/NaN into flag_ptr. offs: each element's position in the random stream."""
+    groups that held inf/NaN into flag_ptr. c4: the random stream's counters (one per four elements)."""
     s, finite = group_scales(vg, QMAX, SCALE_BF16)
-    codes = quantize_tile(vg, s, finite, offs, seed, QMAX, STOCHASTIC, LIBDEVICE)
+    codes = quantize_tile(vg, s, finite, c4, seed, QMAX, STOCHASTIC, LIBDEVICE)
     store_codes(row_ptr, codes, groups, G, BITS, gmask)
     store_scales(row_ptr + code_bytes, s, groups, SCALE_BF16, gmask)
     bad = tl.sum((gmask & ~finite).to(tl.int32))
@@ -113,13 +114,13 @@ def _encode_kernel(
     vg = tl.reshape(v, [NG, G])
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
-    # Note: the random stream's counter is the element's position modulo 2^32 (int32, as
-    # tl.rand's fast 32-bit Philox takes it): draws repeat only for elements 2^32 apart.
-    offs = (p * TILE + tl.reshape(tl.arange(0, TILE), [NG, G])).to(tl.int32)
+    # Note: the random stream's counter is the position of the element's run of four modulo
+    # 2^32 (int32, as the fast 32-bit Philox takes it): draws repeat only 2^34 elements apart.
+    c4 = (p * (TILE // 4) + tl.reshape(tl.arange(0, TILE // 4), [NG, G // 4])).to(tl.int32)
     og = seg * tl.cdiv(n, G) + groups  # group index inside the (segmented) output row
     row_ptr = out_ptr + (r % P) * out_stride
     _store_groups(
-        vg, row_ptr, code_bytes, og, gmask, offs, seed, flag_ptr, G, BITS, QMAX, STOCHASTIC, SCALE_BF16, LIBDEVICE
+        vg, row_ptr, code_bytes, og, gmask, c4, seed, flag_ptr, G, BITS, QMAX, STOCHASTIC, SCALE_BF16, LIBDEVICE
     )
 
 
@@ -243,7 +244,7 @@ def _reduce_kernel(
         g2mask = groups2 * G2 < enc_n
         _store_groups(
             vg, enc_ptr + e_row * enc_stride, enc_code_bytes, groups2, g2mask,
-            tl.reshape(col, [NG2, G2]).to(tl.int32), seed,
+            tl.reshape(t * (TILE // 4) + tl.arange(0, TILE // 4), [NG2, G2 // 4]).to(tl.int32), seed,
             flag_ptr, G2, BITS2, QMAX2, STOCHASTIC, SCALE2_BF16, LIBDEVICE,
         )  # fmt: skip
     else:

@@ -194,6 +194,8 @@ def _budget_cases():
     n = 1 << 20
     w4, g8 = QuantSpec(4, 2048), QuantSpec(8, 128)
     g4 = QuantSpec(4, 128, scale_dtype=torch.bfloat16)
+    # the gradient path's default: stochastic rounding (sdpq.config.GradientConfig)
+    g8s, g4s = QuantSpec(8, 128, "stochastic"), QuantSpec(4, 128, "stochastic", torch.bfloat16)
     had = (128, torch.ones(128))
     yield (
         "encode diff 4b G2048 fp32 - fp32 ref",
@@ -205,8 +207,8 @@ def _budget_cases():
     )
     yield "encode hadamard 8b G128 fp32", lambda: codec.encode_rows(torch.randn(1, n), g8, hadamard=had)
     yield (
-        "encode hadamard 8b G128 bf16 2 segments own (gradients)",
-        lambda: codec.encode_rows(torch.randn(4, n).bfloat16(), g8, segments=2, hadamard=had, own_row=0),
+        "encode hadamard 8b G128 bf16 2 segments own stochastic (gradients)",
+        lambda: codec.encode_rows(torch.randn(4, n).bfloat16(), g8s, segments=2, hadamard=had, own_row=0),
     )
     wire4 = torch.zeros(1, w4.wire_bytes(n), dtype=torch.uint8)
     yield "decode 4b G2048 -> bf16", lambda: codec.decode_rows(wire4, w4, n, torch.zeros(1, n, dtype=torch.bfloat16))
@@ -219,8 +221,8 @@ def _budget_cases():
     yield "reduce 2 rows 8b", lambda: codec.reduce_rows(rows8, g8, n, own, 0, bad)
     yield "reduce 8 rows 8b", lambda: codec.reduce_rows(rows8.repeat(4, 1), g8, n, own, 0, bad)
     yield (
-        "reduce 2 rows 8b re-encode 4b (gradients)",
-        lambda: codec.reduce_rows(rows8, g8, n, own, 0, bad, encode_spec=g4, encode_rows_n=n // 2, own_seg=0),
+        "reduce 2 rows 8b re-encode 4b stochastic (gradients)",
+        lambda: codec.reduce_rows(rows8, g8s, n, own, 0, bad, encode_spec=g4s, encode_rows_n=n // 2, own_seg=0),
     )
     rows4 = torch.zeros(2, g4.wire_bytes(n), dtype=torch.uint8)
     yield (

@@ -121,6 +121,23 @@ def test_stochastic_within_one_step_and_unbiased(bits):
     assert len({tuple(t.flatten().tolist()) for t in draws[:5]}) == 5  # seeds give different draws
 
 
+@pytest.mark.parametrize("bits", [2, 8])
+def test_stochastic_draws_are_independent_within_a_run_of_four(bits):
+    """Four neighbours share one Philox call but not its draw: values halfway between two codes
+    round up about half the time, and a run of four agrees on all four (up or down) ~1/8 of
+    the time (it would always, if the run shared one draw)."""
+    spec = QuantSpec(bits, 64, rounding="stochastic")
+    x = torch.full((1, 1024), 0.5, device=DEV)
+    x[0, ::64] = 1.0  # each group's absmax: the others sit at qmax / 2 = k + 1/2 (qmax is odd)
+    wire, _, _ = codec.encode_rows(x, spec, seed=7)
+    d = codec.decode_rows(wire, spec, 1024, torch.empty(1, 1024, device=DEV))
+    up = (d > 0.5).view(-1, 4)[1:].float()  # runs of four; the first holds an absmax
+    up = up[(torch.arange(1, 256, device=DEV) % 16) != 0]  # skip every run with a group's absmax
+    assert 0.35 < float(up.mean()) < 0.65
+    same = ((up.sum(1) == 0) | (up.sum(1) == 4)).float().mean()
+    assert float(same) < 0.35, float(same)  # ~1/8 when independent
+
+
 def _wire_rows(R, numel, spec, seed):
     g = torch.Generator().manual_seed(seed)
     return _encode_rows_ref(torch.randn(R, numel, generator=g).to(DEV), spec, None, 1, None, None, None)[0]

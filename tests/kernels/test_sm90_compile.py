@@ -39,9 +39,9 @@ def compiled(tmp_path_factory):
 # Budget cases whose kernels are known to issue more than their budget (instructions per element
 # on sm_90, budget): the test fails when one of them comes under it, so that the entry goes.
 OVER_BUDGET = {
-    # the Walsh-Hadamard butterflies exchange data between threads at every stage (~30 barriers);
-    # the fp32 variant without the own-row store is under (57.0)
-    "encode hadamard 8b G128 bf16 2 segments own (gradients)": (63.7, 62.8),
+    # Philox (one call per four elements) on top of the Walsh-Hadamard butterflies, which
+    # exchange data between threads at every stage (~30 barriers); nearest rounding: 63.7
+    "encode hadamard 8b G128 bf16 2 segments own stochastic (gradients)": (83.8, 62.8),
     # two FP8 moments decoded and encoded per element: log2 (libdevice), exp2, IEEE div and sqrt
     "adamw G128 fp32 grads (optimizer)": (279.1, 204.4),
 }
