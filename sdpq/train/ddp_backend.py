@@ -49,6 +49,23 @@ __all__ = ["train", "COMM_HOOKS"]
 COMM_HOOKS = ("allreduce", "fp16", "powersgd")
 
 
+def _one_bucket_at_a_time(state, bucket) -> torch.futures.Future:
+    """torch's PowerSGD hook, each bucket finished before DDP hands over the next.
+
+    Note: PowerSGD issues a bucket's second all-reduce (Q) from the first one's completion
+    callback, on gloo's thread, while the autograd thread may already issue the next bucket's
+    first (P): ranks can then issue them in different orders, and gloo fails with "Received data
+    size doesn't match expected size" (seen with two buckets, after a few hundred steps)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    fut = powerSGD_hook.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
+_one_bucket_at_a_time.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
 def _register_torch_hook(model: DistributedDataParallel, name: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -58,7 +75,7 @@ def _register_torch_hook(model: DistributedDataParallel, name: str) -> None:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif name == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        model.register_comm_hook(state, _one_bucket_at_a_time)
     else:
         raise ValueError(f"comm_hook {name!r}; allowed: {', '.join(COMM_HOOKS)}")
 
