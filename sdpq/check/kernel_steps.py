@@ -263,7 +263,7 @@ def throughput(ctx: Ctx) -> dict:
     from ..kernels import codec as k
 
     dev = ctx.device
-    n = (64 * 1024) if ctx.rehearse else (64 * MiB)
+    n = (16 * 1024) if ctx.rehearse else (64 * MiB)
     reps = 1 if ctx.rehearse else 5
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, n, device=dev, generator=g)
@@ -366,7 +366,7 @@ def codec_1p3b(ctx: Ctx) -> dict:
     """The codec work of one training step for buckets shaped like a 1.3B GPT's (d_model 2048,
     24 blocks of 12 d^2 parameters) on 2 nodes x 2 ranks (see codec_block). Communication is
     left out: the time is what the kernels add to a step."""
-    d, blocks = (64 if ctx.rehearse else 2048), 24
+    d, blocks = (32 if ctx.rehearse else 2048), 24
     t = median_time(codec_block(ctx.device, d, 4, 2), ctx, reps=1 if ctx.rehearse else 10)
     figures = {
         "d_model": d,
@@ -376,5 +376,5 @@ def codec_1p3b(ctx: Ctx) -> dict:
     }
     c = Checks()
     c.add("timed", t > 0)
-    notes = ["rehearsal: d_model 64 in the interpreter"] if ctx.rehearse else []
+    notes = ["rehearsal: d_model 32 in the interpreter"] if ctx.rehearse else []
     return c.result(figures, notes)

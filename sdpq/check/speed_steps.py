@@ -99,7 +99,7 @@ def _forward_backward(d: int, tokens: int, dev, ctx: Ctx, blocks: int = 2) -> fl
 def step_share(ctx: Ctx) -> dict:
     """Per block of a 1.3B- and a 7B-shaped model: forward + backward, sdpq's codec and AdamW."""
     figures, c = {}, Checks()
-    shapes = {"1.3B": (64, 24)} if ctx.rehearse else SHAPES  # rehearsal: the interpreter, one shape
+    shapes = {"1.3B": (32, 24)} if ctx.rehearse else SHAPES  # rehearsal: the interpreter, one shape
     for name, (d, blocks) in shapes.items():
         tokens = 256 if ctx.rehearse else 16384  # e.g. 8 sequences of 2048 per GPU
         t_fb = _forward_backward(d, tokens, ctx.device, ctx)
@@ -119,6 +119,6 @@ def step_share(ctx: Ctx) -> dict:
         c.add(f"{name} timed", t_fb > 0 and t_codec > 0 and t_adamw > 0)
     notes = [
         f"one rank of {WORLD // PER_NODE} nodes x {PER_NODE} GPUs; goal on the GPU: share_of_compute <= 0.05 at 1.3B",
-        "rehearsal: d_model 64 (the 1.3B row only) in the interpreter, the times mean nothing",
+        "rehearsal: d_model 32 (the 1.3B row only) in the interpreter, the times mean nothing",
     ]
     return c.result(figures, notes)
