@@ -25,7 +25,7 @@ from ..quant.rows import reduce_rows_ref as _reduce_rows_ref
 from .steps import Checks, Ctx
 from .timing import device_time, median_time
 
-__all__ = ["env", "codec", "throughput", "codec_1p3b", "codec_block"]
+__all__ = ["env", "codec", "throughput", "codec_block"]
 
 MiB = 1 << 20
 
@@ -360,21 +360,3 @@ def codec_block(dev, d: int, world: int, nodes: int):
         k.decode_rows(wd.expand(L, -1).contiguous(), wspec, chunk, ref_all, add=True)
 
     return one_block
-
-
-def codec_1p3b(ctx: Ctx) -> dict:
-    """The codec work of one training step for buckets shaped like a 1.3B GPT's (d_model 2048,
-    24 blocks of 12 d^2 parameters) on 2 nodes x 2 ranks (see codec_block). Communication is
-    left out: the time is what the kernels add to a step."""
-    d, blocks = (32 if ctx.rehearse else 2048), 24
-    t = median_time(codec_block(ctx.device, d, 4, 2), ctx, reps=1 if ctx.rehearse else 10)
-    figures = {
-        "d_model": d,
-        "bucket_elements": 12 * d * d,
-        "per_block_ms": round(1e3 * t, 3),
-        "per_step_ms": round(1e3 * t * blocks, 2),
-    }
-    c = Checks()
-    c.add("timed", t > 0)
-    notes = ["rehearsal: d_model 32 in the interpreter"] if ctx.rehearse else []
-    return c.result(figures, notes)
