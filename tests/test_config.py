@@ -142,7 +142,8 @@ def test_committed_reference_is_current():
 @pytest.mark.parametrize(
     "zero,message",
     [
-        ({"stage": 2}, "ZeRO stage 3"),
+        ({"stage": 0}, "ZeRO stages 1, 2 and 3"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
         ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
         ({"stage": 3, "offload_param": {"device": "nvme"}}, "nvme"),
     ],

@@ -173,7 +173,7 @@ def _compare(res: dict, c: Checks, what: str) -> dict:
 
 
 def train_fsdp(ctx: Ctx) -> dict:
-    steps, d = (6, 32) if ctx.rehearse else (30, 256)
+    steps, d = (4, 32) if ctx.rehearse else (30, 256)
     res = _spawn(_fsdp_worker, ctx, steps, d)
     c = Checks()
     figures = _compare(res, c, "FSDP2")
@@ -243,7 +243,7 @@ def train_zero3(ctx: Ctx) -> dict:
             "error": f"DeepSpeed is not importable here ({e}); carry it: sdpq check pack",
             "figures": {},
         }
-    steps, d = (4, 32) if ctx.rehearse else (20, 256)
+    steps, d = (3, 32) if ctx.rehearse else (20, 256)
     res = _spawn(_zero3_worker, ctx, steps, d)
     c = Checks()
     losses = res["sdpq_device"]

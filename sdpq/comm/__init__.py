@@ -6,6 +6,10 @@
 - `GradReduceScatter(numel, topology, GradientsConfig)`: "full bucket -> my chunk", SUM.
 - `GradAllReduce(numel, topology, GradientsConfig)`: "bucket -> the sum on every rank", bitwise
   the same everywhere (HSDP's replicate dimension).
+- `OwnedReduceScatter(topology, GradientsConfig)`: "bucket -> the sums of the pieces this rank
+  owns", pieces of any sizes (ZeRO-1/2's buckets).
+- `ReplicaDiffGather(partition_numel, topology, WeightsConfig)`: after a step over full
+  replicas, every rank's weights moved by the owners' quantized differences (ZeRO-1/2).
 - `all_gather_rows`, `all_gather_flat`, `reduce_scatter_flat`, `group_device`: the plain
   (unquantized) collectives sdpq's own run on, for baselines and small bookkeeping exchanges.
 - `stats`: bytes per link class and path, sampled errors (`CommStats`; read them through
@@ -16,10 +20,12 @@ from . import stats as stats  # the implementation module; read the figures thro
 from ._exchange import all_gather_flat, all_gather_rows, group_device, reduce_scatter_flat
 from .allreduce import GradAllReduce
 from .grads import GradReduceScatter
+from .grads_owned import OwnedReduceScatter, Piece
 from .stats import CommStats
 from .topology import Topology, TopologyError
 from .weights import ReferenceMismatchWarning, WeightGather
 from .weights_coalesced import gather_coalesced
+from .weights_replicated import ReplicaDiffGather
 
 __all__ = [
     "Topology",
@@ -29,6 +35,9 @@ __all__ = [
     "ReferenceMismatchWarning",
     "GradReduceScatter",
     "GradAllReduce",
+    "OwnedReduceScatter",
+    "Piece",
+    "ReplicaDiffGather",
     "CommStats",
     "all_gather_rows",
     "all_gather_flat",

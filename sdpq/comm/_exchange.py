@@ -15,6 +15,7 @@ __all__ = [
     "all_gather_flat",
     "all_gather_rows",
     "all_to_all_rows",
+    "all_to_all_split",
     "group_device",
     "group_size",
     "reduce_scatter_flat",
@@ -103,3 +104,14 @@ def all_to_all_rows(rows: torch.Tensor, group, async_op: bool = False):
     out = torch.empty_like(rows)
     work = dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=async_op)
     return out, work
+
+
+def all_to_all_split(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> None:
+    """all_to_all_single with split sizes (a flat `inp` cut in `in_splits`, one piece per group
+    rank; `out` receives `out_splits`), completed on return."""
+    if _through_host(inp, group):
+        host = torch.empty(out.shape, dtype=out.dtype)
+        dist.all_to_all_single(host, inp.cpu(), out_splits, in_splits, group=group)
+        out.copy_(host)
+        return
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)

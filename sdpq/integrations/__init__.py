@@ -32,6 +32,10 @@ def mark_weights_changed(target, *, exact: bool = True) -> None:
     if ds is not None and isinstance(getattr(target, "sdpq", None), ds.DeepSpeedAdapter):
         target.sdpq.mark_weights_changed(exact=exact)
         return
+    z12 = sys.modules.get(__name__ + "._ds_zero12")
+    if z12 is not None and isinstance(getattr(target, "sdpq", None), z12.Zero12Adapter):
+        target.sdpq.mark_weights_changed()  # ZeRO-1/2 keep no reference: the next gather is exact
+        return
     raise TypeError(
         f"sdpq.mark_weights_changed: {type(target).__name__} has no sdpq weight gathers; expected an "
         "FSDP2 model after sdpq.fsdp.apply or a DeepSpeed engine from sdpq.deepspeed.initialize"

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import torch
@@ -62,7 +61,7 @@ from ..comm.hotpath import hot_path
 from ..comm.stats import process_stats, register_holder
 from ..config import Config
 from ._ds_bf16_master import alias_bf16_master
-from ._ds_checkpoint import STATE_FILE, CheckpointMixin
+from ._ds_checkpoint import STATE_FILE, CheckpointMixin, wrap_engine
 from ._ds_grads import GradientsMixin, with_suppress
 from ._ds_monitor import install_monitor
 
@@ -313,39 +312,8 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
     # ------------------------------------------------------------------ engine: checkpoints, teardown
 
     def _install_engine(self) -> None:
-        eng = self.engine
-        orig_save, orig_load = eng.save_checkpoint, eng.load_checkpoint
-        orig_destroy = getattr(eng, "destroy", None)
-
-        def save_checkpoint(save_dir, tag=None, *args, **kwargs):
-            if tag is None:
-                tag = f"global_step{eng.global_steps}"  # DeepSpeed's default tag
-            path = os.path.join(save_dir, str(tag))
-            os.makedirs(path, exist_ok=True)
-            # Written before DeepSpeed's files, so "latest" never points at a tag without it.
-            torch.save(self.state_dict(), self._state_path(path))
-            return orig_save(save_dir, tag, *args, **kwargs)
-
-        def load_checkpoint(load_dir, *args, **kwargs):
-            result = orig_load(load_dir, *args, **kwargs)
-            if result is not None and result[0] is not None:
-                self._after_load(os.path.dirname(result[0]))
-            return result
-
-        def destroy(*args, **kwargs):
-            self.remove()
-            return orig_destroy(*args, **kwargs)
-
-        eng.save_checkpoint, eng.load_checkpoint = save_checkpoint, load_checkpoint
-        if orig_destroy is not None:
-            eng.destroy = destroy
-
-        def undo():
-            for n in ("save_checkpoint", "load_checkpoint", "destroy"):
-                with_suppress(lambda n=n: eng.__dict__.pop(n))
-
-        self._undo.append(undo)
-        eng.sdpq = self
+        self._undo.append(wrap_engine(self.engine, self.state_dict, self._state_path, self._after_load, self.remove))
+        self.engine.sdpq = self
 
     def _regather_available(self) -> None:
         """Re-gather the parameters DeepSpeed keeps gathered (after their references changed)."""

@@ -23,11 +23,46 @@ import torch.distributed as dist
 from ..comm import all_gather_rows
 from ._ds_state import AdapterState
 
-__all__ = ["CheckpointMixin", "STATE_FILE"]
+__all__ = ["CheckpointMixin", "STATE_FILE", "wrap_engine"]
 
 STATE_FILE = "sdpq_rank{rank:05d}.pt"
 _FORMAT = 1
 _SHOWN = 3  # ranks whose problem a load warning spells out
+
+
+def wrap_engine(eng, state_dict, state_path, after_load, remove):
+    """Wrap the engine's save_checkpoint (sdpq's state written first, at state_path(tag dir): so
+    "latest" never points at a tag without it), load_checkpoint (after_load(tag dir) once
+    DeepSpeed has loaded) and destroy (remove() first). Returns the undo."""
+    orig_save, orig_load, orig_destroy = eng.save_checkpoint, eng.load_checkpoint, getattr(eng, "destroy", None)
+
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        if tag is None:
+            tag = f"global_step{eng.global_steps}"  # DeepSpeed's default tag
+        path = os.path.join(save_dir, str(tag))
+        os.makedirs(path, exist_ok=True)
+        torch.save(state_dict(), state_path(path))
+        return orig_save(save_dir, tag, *args, **kwargs)
+
+    def load_checkpoint(load_dir, *args, **kwargs):
+        result = orig_load(load_dir, *args, **kwargs)
+        if result is not None and result[0] is not None:
+            after_load(os.path.dirname(result[0]))
+        return result
+
+    def destroy(*args, **kwargs):
+        remove()
+        return orig_destroy(*args, **kwargs)
+
+    eng.save_checkpoint, eng.load_checkpoint = save_checkpoint, load_checkpoint
+    if orig_destroy is not None:
+        eng.destroy = destroy
+
+    def undo():
+        for n in ("save_checkpoint", "load_checkpoint", "destroy"):
+            eng.__dict__.pop(n, None)
+
+    return undo
 
 
 class CheckpointMixin(AdapterState):

@@ -99,12 +99,14 @@ def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
     """Check the DeepSpeed config against the block; return the config DeepSpeed gets."""
     zero = ds.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
-    if stage != 3:
+    if stage not in (1, 2, 3):
         raise IncompatibleConfigError(
-            f'the "sdpq" block works with ZeRO stage 3 (it replaces ZeRO-3\'s parameter gathers and gradient '
-            f'reduce-scatter); this config has zero_optimization.stage {stage}. Set "stage": 3, or remove '
-            f'the "sdpq" block (or leave it empty) to train with plain DeepSpeed'
+            f'the "sdpq" block works with ZeRO stages 1, 2 and 3 (it replaces their gradient reductions and '
+            f"weight gathers); this config has zero_optimization.stage {stage}. Set a stage, use sdpq.ddp for "
+            f'plain data parallelism, or remove the "sdpq" block (or leave it empty) to train with plain DeepSpeed'
         )
+    if stage < 3:
+        cfg = _check_zero12(ds, zero, cfg, stage)
     clash = [
         k
         for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
@@ -120,7 +122,7 @@ def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
             f'zero_optimization.{clash[0]} (DeepSpeed ZeRO++/MiCS) replaces the same collectives as the "sdpq" '
             "block; use one or the other (see ds_configs/zero3_zeropp.json for ZeRO++ alone)"
         )
-    if zero.get("reduce_scatter") is False:
+    if stage == 3 and zero.get("reduce_scatter") is False:
         raise IncompatibleConfigError(
             "sdpq's gradient path is ZeRO-3's reduce-scatter: remove zero_optimization.reduce_scatter false"
         )
@@ -161,6 +163,45 @@ def _hand_the_optimizer_to_sdpq(out: dict, zero: Mapping, cfg: Config) -> None:
     if cfg.optimizer.master == "mcf":
         key = "bf16" if "bf16" in out else "bfloat16"
         out[key] = dict(out.get(key) or {}, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+
+
+def _check_zero12(ds: dict, zero: Mapping, cfg: Config, stage: int) -> Config:
+    """ZeRO-1/2 with the block: what is refused, and the optimizer's master (an MCF master needs
+    DeepSpeed's bf16 master-weights mode, which ZeRO-1/2 run only with CPU offload). Returns the
+    config the optimizer is built from."""
+    import dataclasses
+
+    where = f"ZeRO-{stage}"
+    refuse = []
+    offload = zero.get("offload_optimizer") or {}
+    if isinstance(offload, Mapping) and offload.get("device") not in (None, "none"):
+        refuse.append("zero_optimization.offload_optimizer (offloaded ZeRO-1/2 is not supported with the block yet)")
+    if zero.get("contiguous_gradients") is False:
+        refuse.append("zero_optimization.contiguous_gradients false (sdpq reduces the contiguous gradient buckets)")
+    accum = str((ds.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    if stage == 1 and accum in ("fp32", "float32", "torch.float32"):
+        refuse.append(
+            "data_types.grad_accum_dtype fp32 at stage 1 (DeepSpeed then runs its BF16_Optimizer, which sdpq does "
+            "not hook; use stage 2, where fp32 accumulation works with the block)"
+        )
+    if cfg.weights.mode == "direct":
+        refuse.append(
+            'sdpq.weights.mode "direct" (with ZeRO-1/2 every rank holds the weights, so "diff" needs no '
+            'reference and sends fewer bits: use "diff" or "exact")'
+        )
+    if cfg.gradients.error_feedback:
+        refuse.append("sdpq.gradients.error_feedback (not available for ZeRO-1/2's owner buckets yet)")
+    if refuse:
+        raise IncompatibleConfigError(f'the "sdpq" block with {where}: {refuse[0]}')
+    raw = (ds.get("sdpq") or {}).get("optimizer") or {}
+    if cfg.optimizer.enabled and cfg.optimizer.master == "mcf":
+        if isinstance(raw, Mapping) and raw.get("master") == "mcf":
+            raise IncompatibleConfigError(
+                f"sdpq.optimizer.master 'mcf' with {where}: DeepSpeed's bf16 master-weights mode, which the MCF "
+                'master uses, runs at stages 1-2 only with CPU offload; use "master": "native" (the default there)'
+            )
+        cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, master="native"))
+    return cfg
 
 
 def check_config(ds: Mapping, cfg: Config) -> None:

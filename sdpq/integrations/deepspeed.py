@@ -15,11 +15,17 @@ what it returns. It reads the top-level ``"sdpq"`` block of the DeepSpeed config
 
 A section left out of the block takes its defaults (the full method); switch a path off with
 ``"weights": {"mode": "exact"}``, ``"gradients": {"mode": "exact"}``,
-``"optimizer": {"enabled": false}``. Only ZeRO stage 3 is supported: a block with stage 0-2
-is an error (``IncompatibleConfigError``). ``engine.sdpq`` is the installed
-``DeepSpeedAdapter`` (statistics, ``mark_weights_changed``, ``remove``); ``save_checkpoint`` /
-``load_checkpoint`` also save / restore sdpq's per-rank state (``sdpq_rank*.pt`` in the tag
-directory), so a resumed run continues bit for bit.
+``"optimizer": {"enabled": false}``. ``engine.sdpq`` is the installed ``DeepSpeedAdapter``
+(statistics, ``mark_weights_changed``, ``remove``); ``save_checkpoint`` / ``load_checkpoint``
+also save / restore sdpq's per-rank state (``sdpq_rank*.pt`` in the tag directory), so a
+resumed run continues bit for bit.
+
+ZeRO stages 1 and 2 (``Zero12Adapter``, _ds_zero12.py): every rank holds the full weights, so
+the weight path needs no reference: each owner sends 4-bit differences between its new master
+partition and the weights everyone holds (``sdpq.comm.ReplicaDiffGather``); each gradient bucket
+goes to the owners of its pieces through the two-level quantized exchange
+(``sdpq.comm.OwnedReduceScatter``). Stage 0 is an error (``IncompatibleConfigError``), as are the
+options docs/zero12.md lists.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from collections.abc import Mapping
 from ..config import Config, ConfigError
 from ._ds_adapter import STATE_FILE, DeepSpeedAdapter
 from ._ds_config import IncompatibleConfigError, check_config, prepare_config
+from ._ds_zero12 import Zero12Adapter
 
 __all__ = [
     "initialize",
@@ -175,12 +182,17 @@ def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
         result = ds_initialize(**a)
     engine = result[0]
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        DeepSpeedAdapter(engine, cfg)
+    elif type(engine.optimizer) is DeepSpeedZeroOptimizer:
+        Zero12Adapter(engine, cfg)
+    else:
         raise IncompatibleConfigError(
-            f'the "sdpq" block needs DeepSpeed\'s ZeRO-3 optimizer; the engine has {type(engine.optimizer).__name__}'
+            f'the "sdpq" block needs DeepSpeed\'s ZeRO-1/2 or ZeRO-3 optimizer; the engine has '
+            f"{type(engine.optimizer).__name__}"
         )
-    DeepSpeedAdapter(engine, cfg)
     return result
 
 

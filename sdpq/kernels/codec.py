@@ -49,7 +49,7 @@ def _store_groups(vg, row_ptr, code_bytes, groups, gmask, c4, seed, flag_ptr,
                   SCALE_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
     """Quantize the [groups, G] values vg into a wire row (codes, then scales) and count the
     groups that held inf/NaN into flag_ptr. c4: the random stream's counters (one per four elements)."""
-    s, finite = group_scales(vg, QMAX, SCALE_BF16)
+    s, finite = group_scales(vg, QMAX, SCALE_BF16, LIBDEVICE)
     codes = quantize_tile(vg, s, finite, c4, seed, QMAX, STOCHASTIC, LIBDEVICE)
     store_codes(row_ptr, codes, groups, G, BITS, gmask)
     store_scales(row_ptr + code_bytes, s, groups, SCALE_BF16, gmask)

@@ -64,7 +64,6 @@ def rs_error_bound(inputs: torch.Tensor, rank: int, ranks_per_node: int, rs) -> 
     """
     cfg = rs.config
     N, numel = inputs.shape
-    L, nodes = ranks_per_node, N // ranks_per_node
     cn, C = rs.chunk_numel, rs.padded_chunk
     if rs.placement is not None:  # the chunks as they travel: parameters placed on whole groups
         Xp = torch.stack([rs.placement.pack(inputs[p].float(), numel).float() for p in range(N)])
@@ -75,15 +74,22 @@ def rs_error_bound(inputs: torch.Tensor, rank: int, ranks_per_node: int, rs) -> 
         Xp = torch.zeros(N, N, C)
         Xp[:, :, :cn] = X
     Y = hadamard(Xp, rs.hadamard_block, cfg.seed).double() if cfg.hadamard else Xp.double()
-    Yd = Y[:, rank, :]  # [N sources, C]
+    return two_level_bound(Y[:, rank, :], rank, ranks_per_node, cfg, rs.intra_spec, rs.inter_spec, rs.hadamard_block)
+
+
+def two_level_bound(Yd: torch.Tensor, rank: int, L: int, cfg, intra_spec, inter_spec, block: int):
+    """The bound of `rs_error_bound` from what every source sends for `rank`'s result: Yd
+    [N sources, C] fp64, already transformed (C a multiple of both group sizes and the block)."""
+    N, C = Yd.shape
+    nodes = N // L
     delta = 0.5 if cfg.rounding == "nearest" else 1.0
 
     def group_max(v: torch.Tensor, G: int) -> torch.Tensor:
         return v.abs().view(*v.shape[:-1], -1, G).amax(-1, keepdim=True).expand(*v.shape[:-1], -1, G).reshape(v.shape)
 
     # bf16 scales are rounded up: at most 2^-8 larger than max / qmax (relative).
-    q1 = rs.intra_spec.qmax / (1 + 2**-7 if rs.intra_spec.scale_dtype == torch.bfloat16 else 1)
-    q2 = rs.inter_spec.qmax / (1 + 2**-7 if rs.inter_spec.scale_dtype == torch.bfloat16 else 1)
+    q1 = intra_spec.qmax / (1 + 2**-7 if intra_spec.scale_dtype == torch.bfloat16 else 1)
+    q2 = inter_spec.qmax / (1 + 2**-7 if inter_spec.scale_dtype == torch.bfloat16 else 1)
     n_d, l_d = rank // L, rank % L
     T = torch.zeros(C, dtype=torch.float64)
     for n in range(nodes):
@@ -92,17 +98,16 @@ def rs_error_bound(inputs: torch.Tensor, rank: int, ranks_per_node: int, rs) -> 
         if L > 1:
             for p in members:
                 if p % L != l_d:
-                    e1 += delta * group_max(Yd[p], rs.intra_spec.group_size) / q1
+                    e1 += delta * group_max(Yd[p], intra_spec.group_size) / q1
         T += e1
         if nodes > 1 and n != n_d:
             partial = Yd[members].sum(0)
-            G2 = rs.inter_spec.group_size
+            G2 = inter_spec.group_size
             s2 = (group_max(partial, G2) + group_max(e1, G2)) / q2
             T += delta * s2
     T = T * (1 + 1e-5) + 1e-5 * Yd.abs().sum(0)
     if cfg.hadamard:
-        B = rs.hadamard_block
-        return T.view(-1, B).norm(dim=-1) * B**0.5, "block_l2"
+        return T.view(-1, block).norm(dim=-1) * block**0.5, "block_l2"
     return T, "elementwise"
 
 

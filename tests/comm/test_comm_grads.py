@@ -270,7 +270,11 @@ def _peak_case(ctx, numel, dtype, cfg_kwargs):
     rs = GradReduceScatter(numel, topo, GradientsConfig(**cfg_kwargs), record_to=CommStats())
     x = all_inputs(ctx.world_size, numel, "normal", 5)[ctx.rank].to(dtype)
     rs(x)  # the first call builds lazy state (rounding streams, Hadamard signs): not the bucket's
-    return _peak_bytes(lambda: rs(x)) / (4 * numel)
+    # Note: gloo's worker thread drops its reference to an exchange's tensors just after wait()
+    # returns, so the next stage may allocate before a finished stage's buffers are freed: one call
+    # in CI peaked at 1.05 B where its neighbours took 0.66 B. The least of three calls is the
+    # peak the code itself sets.
+    return min(_peak_bytes(lambda: rs(x)) for _ in range(3)) / (4 * numel)
 
 
 @pytest.mark.parametrize("nodes,rpn", [(2, 2), (1, 4), (4, 1)], ids=["2x2", "1x4", "4x1"])

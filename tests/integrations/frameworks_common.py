@@ -34,6 +34,8 @@ def write_ds_config(path: str, block: dict | None, *, hf_auto: bool = False, lig
                 "betas": auto or [0.9, 0.95],
                 "eps": auto or 1e-8,
                 "weight_decay": auto or 0.0,
+                # as ds_configs/ on CPU: torch's AdamW, not DeepSpeed's fused Adam (a ~60 s C++ build)
+                "torch_adam": True,
             },
         },
     }
@@ -114,6 +116,12 @@ def ranks_env(ctx) -> None:
 
     reset_deepspeed_groups()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    # Accelerate and the Trainer start DeepSpeed's communication themselves, whose first start
+    # JIT-builds a shared-memory op (~40 s on 2 cores) that only inference all-reduce uses; what
+    # sdpq.deepspeed.init_distributed skips, skipped here too (sdpq.integrations.deepspeed).
+    import deepspeed.comm.torch
+
+    deepspeed.comm.torch.build_shm_op = lambda: None
     try:
         from accelerate.state import AcceleratorState
 

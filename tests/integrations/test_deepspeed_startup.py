@@ -78,14 +78,13 @@ def test_typo_in_sdpq_block_fails_at_startup_with_key_path():
         sds.initialize(model=model, config={**base, "sdpq": {"wieghts": {}}})
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_stage_0_to_2_with_a_block_is_a_clear_error(stage):
+def test_stage_0_with_a_block_is_a_clear_error():
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": 0},
         "sdpq": {"gradients": {"mode": "two_level"}},
     }
-    with pytest.raises(sds.IncompatibleConfigError, match=f"ZeRO stage 3.*stage {stage}"):
+    with pytest.raises(sds.IncompatibleConfigError, match="ZeRO stages 1, 2 and 3.*stage 0"):
         sds.initialize(model=torch.nn.Linear(4, 4), config=cfg)
 
 

@@ -107,7 +107,7 @@ def _zero3(ctx, d: int, block: dict):
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},  # no fused-Adam build on CPU
     }
     init = deepspeed.initialize if block is None else sdpq.deepspeed.initialize
     config = {**cfg, "sdpq": block} if block else cfg

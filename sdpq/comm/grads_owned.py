@@ -1,0 +1,225 @@
+"""Two-level quantized reduce of a bucket whose pieces have owners of unequal sizes (ZeRO-1/2).
+
+DeepSpeed's ZeRO-1 and ZeRO-2 cut each flat parameter group into N equal contiguous partitions;
+a gradient bucket (parameters in backward order) usually covers parts of one or two of them, and
+each rank needs only the sum of the pieces it owns. An equal-chunk reduce-scatter would pad every
+rank's chunk to the largest owner's share and send the padding; here every owner's share travels
+at its own size (all_to_all with split sizes), so each element crosses each link once, whatever
+the split: the bytes of a balanced reduce-scatter.
+
+Per call (SUM semantics; the caller divides):
+  0. pack: the pieces of owner r, in bucket order, each starting at a multiple of A elements
+     (A = the larger group size, and at least the Hadamard block), so that no quantization group
+     or Hadamard block mixes two pieces (two parameters, or a parameter and padding); optional
+     blockwise randomized Hadamard of the packed values (shared seed; each owner inverts its sum);
+  1. intra-node (`intra_bits`): local rank l' receives the packed pieces of owners {n' L + l'}
+     from every rank of its node and adds the dequantized rows to its own, kept exact;
+  2. inter-node (`inter_bits`): the node partial of owner n' L + l goes to node n'; the owner
+     adds the other nodes' dequantized partials to its own node's, kept exact.
+
+Note (non-finite): a group holding inf/NaN decodes as NaN at its owner (its scale is not
+finite); the sum of an owner's pieces is then NaN where plain DeepSpeed's would be inf or NaN,
+and DeepSpeed's overflow check (fp16) sees it on that owner and skips the step everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..config import GradientsConfig, StatsConfig
+from ..kernels import decode_rows, encode_rows
+from ..quant import QuantSpec
+from ..quant.groupwise import SCALE_DTYPES
+from ..quant.hadamard import hadamard as _hadamard
+from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
+from . import timing
+from ._exchange import all_to_all_split
+from ._rng import generator_state, restore_generator
+from .stats import CommStats, Recorder
+from .topology import Topology
+
+__all__ = ["Piece", "OwnedReduceScatter"]
+
+
+class Piece(NamedTuple):
+    """A run of one parameter's gradient inside a bucket, and the world rank that owns it."""
+
+    offset: int  # in the bucket
+    numel: int
+    owner: int
+
+
+class _Packing(NamedTuple):
+    """Where each owner's pieces sit in the packed buffer (a pure function of the pieces)."""
+
+    starts: tuple[int, ...]  # per owner: its first element in the packed buffer
+    sizes: tuple[int, ...]  # per owner: packed elements (a multiple of A)
+    valid: tuple[int, ...]  # per owner: bucket elements (padding excluded)
+    runs: tuple[tuple[Piece, int], ...]  # (piece, its packed offset), owner-major
+    total: int
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def pack_layout(pieces: Sequence[Piece], world_size: int, align: int) -> _Packing:
+    """Owner-major packing: owner 0's pieces first (in bucket order), each at a multiple of align."""
+    by_owner: list[list[Piece]] = [[] for _ in range(world_size)]
+    for p in pieces:
+        if not 0 <= p.owner < world_size:
+            raise ValueError(f"piece {p}: owner must be a rank in [0, {world_size})")
+        if p.numel > 0:
+            by_owner[p.owner].append(p)
+    starts, sizes, runs, at = [], [], [], 0
+    for own in by_owner:
+        starts.append(at)
+        for p in own:
+            runs.append((p, at))
+            at += _round_up(p.numel, align)
+        sizes.append(at - starts[-1])
+    valid = tuple(sum(p.numel for p in own) for own in by_owner)
+    return _Packing(tuple(starts), tuple(sizes), valid, tuple(runs), at)
+
+
+class OwnedReduceScatter:
+    """Every rank calls it collectively with the same bucket size and the same pieces."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        config: GradientsConfig | None = None,
+        *,
+        device: torch.device | str | None = None,
+        stats: StatsConfig | None = None,
+        record_to: CommStats | None = None,
+    ):
+        self.config = c = config or GradientsConfig()
+        if c.mode != "two_level":
+            raise ValueError(
+                f"OwnedReduceScatter: gradients.mode must be 'two_level' (exact: the plain collective), got {c.mode!r}"
+            )
+        if c.error_feedback:
+            raise ValueError("OwnedReduceScatter: gradients.error_feedback is not available for ZeRO-1/2 buckets")
+        self.topology = topology
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        scale = SCALE_DTYPES[c.scale_dtype]
+        self.intra_spec = QuantSpec(c.intra_bits, c.intra_group_size, c.rounding, scale)
+        self.inter_spec = QuantSpec(c.inter_bits, c.inter_group_size, c.rounding, scale)
+        self.block = c.hadamard_block if c.hadamard else 1
+        self.align = max(c.intra_group_size, c.inter_group_size, self.block)
+        self._rec = Recorder(stats, record_to)
+        self._layouts: dict[tuple, _Packing] = {}
+        self._gen: torch.Generator | None = None
+        self._itemsize = 2
+        self.calls = 0
+
+    def layout(self, pieces: Sequence[Piece]) -> _Packing:
+        key = tuple(pieces)
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) >= 1024:  # buckets recur every step; bound the cache anyway
+                self._layouts.clear()
+            lay = self._layouts[key] = pack_layout(pieces, self.topology.world_size, self.align)
+        return lay
+
+    def __call__(self, bucket: torch.Tensor, pieces: Sequence[Piece]) -> list[tuple[Piece, torch.Tensor]]:
+        """-> [(piece, fp32 sum over ranks of that piece)] for the pieces this rank owns."""
+        x = bucket.detach().reshape(-1)
+        self._itemsize = x.element_size()  # the statistics' baseline: the bucket sent as it is
+        lay = self.layout(pieces)
+        me = self.topology.rank
+        with timing.span("grads.reduce_scatter"):
+            packed = torch.zeros(lay.total, dtype=torch.float32, device=x.device)
+            for p, at in lay.runs:
+                packed[at : at + p.numel] = x[p.offset : p.offset + p.numel]
+            if self.block > 1 and lay.total:
+                packed = _hadamard(packed, self.block, self.config.seed)
+            partial = self._intra(packed, lay)
+            total = self._inter(partial, lay)
+            if self.block > 1 and total.numel():
+                total = _inverse_hadamard(total, self.block, self.config.seed)
+        self.calls += 1
+        base = lay.starts[me]
+        return [(p, total[at - base : at - base + p.numel]) for p, at in lay.runs if p.owner == me]
+
+    def state_dict(self) -> dict:
+        """The rounding stream and the call count: what a resumed run needs to continue bitwise."""
+        return {"generator": generator_state(self._gen), "calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._gen = restore_generator(self._gen, state["generator"], self.device)
+        self.calls = int(state["calls"])
+
+    # ------------------------------------------------------------------ stages
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.config.rounding != "stochastic":
+            return None
+        if self._gen is None:  # independent streams per rank: rounding errors then cancel
+            self._gen = torch.Generator(device=device).manual_seed(
+                self.config.seed * 1_000_003 + self.topology.rank + 1
+            )
+        return self._gen
+
+    def _exchange(
+        self, rows: list[torch.Tensor], own_index: int, spec: QuantSpec, group, link: str, elems: int
+    ) -> torch.Tensor:
+        """Send rows[j] (fp32) to group rank j, quantized; return own row + the dequantized rows
+        received: the fp32 sum of what every member sent here. elems: bucket elements leaving
+        this rank (padding excluded), for the statistics' baseline."""
+        k = len(rows)
+        n_own = rows[own_index].numel()
+        gen = self._generator(rows[own_index].device)
+        with timing.span("grads.encode"):
+            wires = [
+                torch.empty(0, dtype=torch.uint8, device=r.device)
+                if j == own_index or r.numel() == 0
+                else encode_rows(r.view(1, -1), spec, generator=gen)[0].view(-1)
+                for j, r in enumerate(rows)
+            ]
+        recv_bytes = 0 if n_own == 0 else spec.wire_bytes(n_own)
+        out_splits = [0 if j == own_index else recv_bytes for j in range(k)]
+        inp = torch.cat(wires)
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=inp.device)
+        with timing.span("comm.grads"):
+            all_to_all_split(recv, inp, out_splits, [w.numel() for w in wires], group)
+        sent = inp.numel()
+        self._rec.record("gradients", link, bytes=sent, elements=elems, baseline_bytes=elems * self._itemsize)
+        total = rows[own_index].clone()
+        if n_own and k > 1:
+            with timing.span("grads.reduce"):
+                vals = decode_rows(recv.view(k - 1, recv_bytes), spec, n_own, total.new_empty(k - 1, n_own))
+                total += vals.sum(0)
+        return total
+
+    def _intra(self, packed: torch.Tensor, lay: _Packing) -> torch.Tensor:
+        """-> the node partial of owners {n' L + l} (their packed pieces one after the other)."""
+        topo = self.topology
+        L, nodes, l = topo.ranks_per_node, topo.nodes, topo.local_rank
+
+        def row(lp: int) -> torch.Tensor:
+            parts = [
+                packed[lay.starts[n * L + lp] : lay.starts[n * L + lp] + lay.sizes[n * L + lp]] for n in range(nodes)
+            ]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        if L == 1:
+            return row(0)
+        elems = sum(lay.valid[n * L + lp] for n in range(nodes) for lp in range(L) if lp != l)
+        return self._exchange([row(lp) for lp in range(L)], l, self.intra_spec, topo.intra_group, "intra", elems)
+
+    def _inter(self, partial: torch.Tensor, lay: _Packing) -> torch.Tensor:
+        """Node partial of owners {n' L + l} -> the owner's total (this rank's packed pieces)."""
+        topo = self.topology
+        L, nodes, l, node = topo.ranks_per_node, topo.nodes, topo.local_rank, topo.node
+        sizes = [lay.sizes[n * L + l] for n in range(nodes)]
+        offsets = [sum(sizes[:n]) for n in range(nodes)]
+        rows = [partial[offsets[n] : offsets[n] + sizes[n]] for n in range(nodes)]
+        if nodes == 1:
+            return rows[0]
+        elems = sum(lay.valid[n * L + l] for n in range(nodes) if n != node)
+        return self._exchange(rows, node, self.inter_spec, topo.inter_group, "inter", elems)
