@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_ddp  # noqa: E402  (rows kept in their own files; benchmarks/ is not a package here)
 import results_kernels  # noqa: E402
 import results_memory  # noqa: E402
+import results_zero12  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -450,6 +451,8 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     plan_check = load(results_dir, "plan_check.json", "benchmarks/plan_check.py")
     memory_table = load(results_dir, "memory_table.json", "benchmarks/memory_table.py")
     ddp = load(results_dir, "ddp_seeds.json", "benchmarks/ddp_seeds.py")
+    zero12 = load(results_dir, "deepspeed_zero12.json", "benchmarks/deepspeed_zero12.py")
+    zero12_low = load(results_dir, "deepspeed_zero12_low_bits.json", "benchmarks/deepspeed_zero12.py")
     budget = load(results_dir, "kernel_budget.json", "benchmarks/kernel_budget.py")
     speed = load(results_dir, "gpu_speed.json", GPU_SPEED_COMMAND)
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
@@ -477,6 +480,10 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
         out += results_memory.planned_rows(memory_table)
     if ddp.exists:
         out += results_ddp.ddp_rows(ddp)
+    if zero12.exists:
+        out += results_zero12.zero12_rows(zero12)
+    if zero12_low.exists:
+        out += results_zero12.low_bits_rows(zero12_low)
     if budget.exists:
         out += results_kernels.budget_rows(budget)
     out += results_kernels.speed_rows(speed, _not_yet_measured)

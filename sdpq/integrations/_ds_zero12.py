@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import CommStats, OwnedReduceScatter, Piece, ReplicaDiffGather, Topology
+from ..comm.agreement import check_agreement
 from ..comm.device import comm_device
 from ..comm.reference_health import ReferenceMismatchWarning
 from ..comm.stats import process_stats, register_holder
@@ -40,6 +41,7 @@ from ..comm.weights_replicated import replicas_agree
 from ..config import Config
 from ..quant import true_div
 from ._ds_checkpoint import STATE_FILE, wrap_engine
+from ._ds_monitor import install_monitor
 
 __all__ = ["Zero12Adapter"]
 
@@ -56,6 +58,9 @@ class Zero12Adapter:
         self.stats = CommStats(config=config.stats, parent=process_stats())
         self.topology = Topology.build(config.topology)
         self._check(opt)
+        # Note: every rank must build the same collectives; one agreement collective at start-up
+        # (a rank that disagrees fails here, with the same error on every rank, not in a hook).
+        check_agreement("sdpq.deepspeed (ZeRO-1/2)", self._shaping_settings(opt), self.topology.world_group)
         self.grads = (
             None
             if config.gradients.mode == "exact"
@@ -66,6 +71,7 @@ class Zero12Adapter:
         self._exact_next: set[int] = set()
         self._steps = 0
         self._undo: list = []
+        self._orig: dict = {}  # name -> the optimizer's own method
         try:
             if self.grads is not None:
                 self._patch(opt, "average_tensor", self._average_tensor)
@@ -75,6 +81,7 @@ class Zero12Adapter:
                 _ADAPTERS[id(opt.bit16_groups_flat)] = self
                 self._undo.append(lambda: _ADAPTERS.pop(id(opt.bit16_groups_flat), None))
             self._install_engine()
+            install_monitor(self)
             engine.sdpq = self
         except BaseException:
             self.remove()
@@ -120,12 +127,21 @@ class Zero12Adapter:
                 'zero_optimization.offload_optimizer with ZeRO-1/2 and the "sdpq" block is not supported'
             )
 
+    def _shaping_settings(self, opt) -> dict:
+        """What every rank must hold alike: the config, the layout, the partitions and the
+        settings that cut gradient buckets."""
+        return {
+            "config": self.config.to_dict(),
+            "layout": self.topology.layout,
+            "partitions": [int(p[0].numel()) for p in opt.parallel_partitioned_bit16_groups],
+            "buckets": {n: str(getattr(opt, n, None)) for n in ("reduce_bucket_size", "allgather_bucket_size")},
+        }
+
     def _patch(self, obj, name: str, fn) -> None:
-        orig = getattr(obj, name)
+        """obj.name = fn on the instance (the class's method is back once the attribute goes)."""
+        self._orig[name] = getattr(obj, name)
         setattr(obj, name, fn)
-        self._orig = getattr(self, "_orig", {})
-        self._orig[name] = orig
-        self._undo.append(lambda: delattr(obj, name) if name in obj.__dict__ else None)
+        self._undo.append(lambda: obj.__dict__.pop(name, None))
 
     # ------------------------------------------------------------------ gradients
 

@@ -29,13 +29,18 @@ GB = 1e9
 
 
 def arms_for(framework: str) -> list[Arm]:
-    """The configurations a plan compares (ZeRO-3 runs sdpq with its bf16-master workaround)."""
-    extra = {"workarounds": {"deepspeed_alias_bf16_master": True}} if framework == "zero3" else {}
+    """The configurations a plan compares (ZeRO-3 runs sdpq with its bf16-master workaround,
+    ZeRO-1/2 with a native fp32 master)."""
+    extra: dict = {"workarounds": {"deepspeed_alias_bf16_master": True}} if framework == "zero3" else {}
+    if framework in ("zero1", "zero2"):  # sdpq's default there (no bf16 master mode without offload)
+        extra = {"optimizer": {"master": "native"}}
 
     def sdpq(**weights) -> Config:
         return Config.from_dict({"weights": weights, **extra})
 
     arms = [Arm("bf16")]
+    if framework in ("zero1", "zero2"):  # full replicas: no reference to store, no ZeRO++ (ZeRO-3's)
+        return [*arms, Arm("sdpq", sdpq()), Arm("sdpq 2-bit weights", sdpq(bits=2))]
     if framework != "hsdp":
         arms.append(Arm("ZeRO++ (hpZ+qwZ+qgZ)", zeropp=True))
     arms += [

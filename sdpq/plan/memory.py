@@ -11,6 +11,11 @@ Frameworks and their precision (what users run, and what sdpq.train runs):
   partitions and moments, bf16 gradient partitions; each parameter's partition is
   ceil(numel / N). sdpq's AdamW keeps a bf16 master (aliased to the compute partition with
   `workarounds.deepspeed_alias_bf16_master`, else a second bf16 copy).
+- "zero1" / "zero2": DeepSpeed ZeRO-1/2 with bf16: every rank holds the whole flat bf16 group
+  (padded to a multiple of 2N) and the fp32 master and moments of its partition P = padded / N;
+  gradients are the full bf16 set at stage 1 (accumulated per parameter until the boundary) and
+  the rank's bf16 partition at stage 2 (the gradient buckets are transient). sdpq keeps no
+  weight reference there (every rank holds the weights) and its AdamW a native fp32 master.
 
 Note: FP8 moments keep three fp32 numbers (scale, k, gm) per group of `optimizer.group_size`
 along the last dimension of each local tensor; every optimizer state has a 4-byte step counter.
@@ -31,7 +36,7 @@ from ..quant.groupwise import SCALE_DTYPES
 
 __all__ = ["FRAMEWORKS", "Arm", "rank_memory"]
 
-FRAMEWORKS = ("fsdp2", "hsdp", "zero3")
+FRAMEWORKS = ("fsdp2", "hsdp", "zero3", "zero1", "zero2")
 Shape = tuple[int, ...]
 # "auto" is the compute dtype: bf16 in every setup planned here (see the module docstring).
 REFERENCE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "auto": 2}
@@ -148,6 +153,21 @@ def _zero3(units: Sequence[Sequence[Shape]], world: int, nodes: int, arm: Arm, p
     return out
 
 
+def _zero12(units: Sequence[Sequence[Shape]], world: int, stage: int, arm: Arm) -> dict:
+    total = sum(math.prod(s) for shapes in units for s in shapes)
+    padded = -(-total // (2 * world)) * 2 * world  # DeepSpeed's alignment of the flat group
+    part = padded // world
+    _, states = _optimizer((part,), arm.sdpq)
+    return {
+        "parameters": 2 * padded,
+        "gradients": 2 * (total if stage == 1 else part),
+        "master": 4 * part,
+        "optimizer_states": states,
+        "weight_reference": 0,
+        "error_feedback": 0,
+    }
+
+
 def rank_memory(
     units: Sequence[Sequence[Shape]], framework: str, nodes: int, per_node: int, arm: Arm, rank: int = 0
 ) -> dict[str, int]:
@@ -156,6 +176,8 @@ def rank_memory(
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework {framework!r}; allowed: {', '.join(FRAMEWORKS)}")
     world = nodes * per_node
+    if framework in ("zero1", "zero2"):
+        return _zero12(units, world, int(framework[-1]), arm)
     if framework == "zero3":
         return _zero3(units, world, nodes, arm, per_node)
     if framework == "hsdp":  # sharded on the node's L ranks; nothing is gathered across nodes

@@ -13,6 +13,11 @@ boundary (nodes - 1) / nodes times, at the bits it travels with:
 | sdpq, weights "diff" | one 2-8-bit difference | `gradients.inter_bits` (+ scales) |
 | sdpq, weights "direct" | 2 gathers x 8 bits | as above |
 | sdpq, HSDP | none | 2 x `gradients.inter_bits` (reduce-scatter + all-gather) |
+| ZeRO-1/2, bf16 | the updated partitions once (16) | all-reduce of the buckets: 2 x 16 |
+| sdpq, ZeRO-1/2 | one 2-8-bit difference | `gradients.inter_bits` to the owners |
+
+ZeRO-2 reduces every micro-step: the gradient column is per micro-step there (the plan assumes
+one micro-step per step).
 """
 
 from __future__ import annotations
@@ -42,7 +47,10 @@ class Link:
 def _bits(arm: Arm, framework: str) -> tuple[float, float]:
     """(weight bits per element per step, gradient bits per element per step) across nodes."""
     cfg = arm.sdpq
+    zero12 = framework in ("zero1", "zero2")
     if cfg is None:
+        if zero12:
+            return 16.0, 2 * 16.0
         if arm.zeropp:
             return wire_bits(8, 2048), wire_bits(4, 128)
         if framework == "hsdp":
@@ -50,6 +58,9 @@ def _bits(arm: Arm, framework: str) -> tuple[float, float]:
         return GATHERS * 16.0, 32.0 if framework == "fsdp2" else 16.0
     g = cfg.gradients
     grad = wire_bits(g.inter_bits, g.inter_group_size) if g.mode == "two_level" else 32.0
+    if zero12:  # exact: DeepSpeed's own all-reduce of the bf16 buckets and all-gather
+        w = cfg.weights
+        return (wire_bits(w.bits, w.group_size) if w.mode == "diff" else 16.0), grad
     if framework == "hsdp":
         return 0.0, 2 * grad
     w = cfg.weights
@@ -82,7 +93,9 @@ def step_seconds(
     # Inside the node every configuration gathers bf16 weights twice (sdpq from its reference; an
     # int8 reference sends 8.25 bits) and reduces the node's share of the gradients once.
     wbits = wire_bits(8, 128) if arm.sdpq is not None and arm.sdpq.weights.reference == "int8" else 16.0
-    intra = local * (GATHERS * wbits + 16.0) / 8 / (link.nvlink_gbyte * 1e9)
+    # ZeRO-1/2: one all-gather of the updated partitions and an all-reduce of the buckets.
+    bits = 16.0 + 2 * 16.0 if framework in ("zero1", "zero2") else GATHERS * wbits + 16.0
+    intra = local * bits / 8 / (link.nvlink_gbyte * 1e9)
     parts = {"compute": compute, "inter": inter, "intra": intra}
     parts["total"] = sum(parts.values())
     return parts

@@ -119,7 +119,9 @@ def run_config(spec: RunSpec, recorded: dict) -> tuple[dict, str | None]:
     counter = "sdpq.stats"
     if not block:
         cfg.pop("sdpq", None)
-        if spec.count_bytes != "exact":
+        stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+        # Note: ZeRO-1/2's exact mode is DeepSpeed's own code path, which sdpq does not count.
+        if spec.count_bytes != "exact" or stage != 3:
             return cfg, None
         block = json.loads(json.dumps(EXACT))
         try:
@@ -137,19 +139,24 @@ def run_config(spec: RunSpec, recorded: dict) -> tuple[dict, str | None]:
 
 
 def optimizer_bytes_per_param(engine, device: torch.device | None = None) -> float:
-    """Bytes per parameter of what ZeRO-3 keeps per partition element, summed over ranks:
-    compute weights (ds_tensor partitions), master partition, optimizer states and metadata
-    (gradients excluded; tensors sharing memory counted once). Collective; its all-reduce runs
-    on `device` (default: the compute device)."""
+    """Bytes per parameter of what ZeRO keeps per partition element, summed over ranks: compute
+    weights (ZeRO-3: the ds_tensor partitions; ZeRO-1/2: the whole bf16 group every rank holds),
+    master partition, optimizer states and metadata (gradients excluded; tensors sharing memory
+    counted once). Collective; its all-reduce runs on `device` (default: the compute device)."""
     from ..optim.memory import memory_report
 
     zopt = engine.optimizer
+    if hasattr(zopt, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        masters = list(zopt.fp32_partitioned_groups_flat)
+        weights = [t for t in zopt.fp16_partitioned_groups_flat if t is not None]
+    else:  # ZeRO-1/2
+        masters, weights = list(zopt.single_partition_of_fp32_groups), list(zopt.bit16_groups_flat)
 
     class _View:  # ZeRO-3 swaps its flat partitions into param_groups only inside step()
-        param_groups = [{"params": list(zopt.fp32_partitioned_groups_flat)}]
+        param_groups = [{"params": masters}]
         state = zopt.optimizer.state
 
-    rep = memory_report(_View(), extra_weights=[t for t in zopt.fp16_partitioned_groups_flat if t is not None])
+    rep = memory_report(_View(), extra_weights=weights)
     nbytes = sum(rep[k] for k in ("weights", "master", "states", "metadata"))
     t = torch.tensor([float(nbytes), float(rep["numel"])], dtype=torch.float64, device=device or compute_device())
     dist.all_reduce(t)
@@ -159,10 +166,11 @@ def optimizer_bytes_per_param(engine, device: torch.device | None = None) -> flo
 def train(
     spec: RunSpec, *, data: TokenData | None = None, checks: bool = False, ds_overrides: dict | None = None
 ) -> RunResult:
-    """Run `spec` with DeepSpeed ZeRO-3 on the initialised default process group (every rank
-    calls it). checks: record in `extra` digests of every parameter partition and weight
-    reference at the end (bitwise comparisons in tests). ds_overrides: merged into the
-    DeepSpeed config (e.g. {"zero_optimization": {"stage3_param_persistence_threshold": 0}})."""
+    """Run `spec` with DeepSpeed (ZeRO-3 unless the config names another stage) on the initialised
+    default process group (every rank calls it). checks (ZeRO-3): record in `extra` digests of
+    every parameter partition and weight reference at the end (bitwise comparisons in tests).
+    ds_overrides: merged into the DeepSpeed config
+    (e.g. {"zero_optimization": {"stage3_param_persistence_threshold": 0}})."""
     from ..integrations import deepspeed as sdpq_ds
 
     if spec.backend != "deepspeed":

@@ -17,15 +17,20 @@ LR = 3e-3
 BLOCK = {"weights": {"mode": "diff"}}
 
 
-def write_ds_config(path: str, block: dict | None, *, hf_auto: bool = False, lightning: bool = False) -> str:
-    """The ZeRO-3 bf16 config a user already has (HF-style "auto" values for the Trainer; concrete
-    ones otherwise, without the two keys Lightning owns), plus the "sdpq" block when given."""
+def write_ds_config(
+    path: str, block: dict | None, *, hf_auto: bool = False, lightning: bool = False, stage: int = 3
+) -> str:
+    """The ZeRO bf16 config a user already has (stage 3 unless told; HF-style "auto" values for
+    the Trainer; concrete ones otherwise, without the two keys Lightning owns), plus the "sdpq"
+    block when given."""
     auto = "auto" if hf_auto else None
     ds = {
         "train_micro_batch_size_per_gpu": auto or MICRO,
         "gradient_accumulation_steps": auto or 1,
         "gradient_clipping": auto or 1.0,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000}
+        if stage == 3
+        else {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
         "bf16": {"enabled": auto or True},
         "optimizer": {
             "type": "AdamW",

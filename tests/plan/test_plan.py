@@ -36,6 +36,25 @@ def test_memory_at_scale_is_the_per_parameter_arithmetic(nodes, per_node):
     assert mem["sdpq"] < mem["ZeRO++ (hpZ+qwZ+qgZ)"]  # below ZeRO++ at every shape
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_memory_and_bytes_are_the_per_parameter_arithmetic(stage):
+    """ZeRO-1/2 keep the bf16 weights whole (2 bytes per parameter), the gradients whole (stage 1)
+    or partitioned (stage 2), and a partition's fp32 master and moments; sdpq swaps the moments
+    for FP8 ones and keeps no reference. Bytes: a 4-bit difference and 4-bit gradients against a
+    bf16 all-gather and a bf16 all-reduce."""
+    model = from_params(7e9)
+    P, N = model.params, 4 * 8
+    fw = f"zero{stage}"
+    rows = {r.arm: r for r in plan(model, fw, 4, 8, gpu_memory_gb=80, link=Link(400))}
+    grads = 2 if stage == 1 else 2 / N
+    assert rows["bf16"].total / P == pytest.approx(2 + grads + 12 / N, rel=1e-3)
+    assert rows["sdpq"].total / P == pytest.approx(2 + grads + (4 + 2 + 2 * 12 / 128) / N, rel=1e-3)
+    assert rows["sdpq"].memory["weight_reference"] == 0 and "ZeRO++ (hpZ+qwZ+qgZ)" not in rows
+    assert rows["sdpq"].cross_node["total"] / rows["bf16"].cross_node["total"] == pytest.approx(
+        (4 + 32 / 2048 + 4.25) / 48, rel=1e-6
+    )
+
+
 def test_one_node_and_hsdp_keep_no_reference():
     units = from_params(1e9).units
     for framework, nodes in (("fsdp2", 1), ("zero3", 1), ("hsdp", 4)):

@@ -1,0 +1,55 @@
+"""Headline rows about DeepSpeed ZeRO-1 and ZeRO-2 (for benchmarks/results_page.py), from
+benchmarks/deepspeed_zero12.py: the config with the "sdpq" block against the same config without
+it over three seeds, and the below-four-bits settings on one seed. Standard library only."""
+
+from __future__ import annotations
+
+
+def _where(src) -> str:
+    seeds = ", ".join(str(k) for k in src.data["runs"])
+    a = src.data["args"]
+    return f"Llama-shaped model, bf16, accumulation 2, seed{'s' if ',' in seeds else ''} {seeds}, {a['steps']} steps"
+
+
+def zero12_rows(src) -> list:
+    where, rows = _where(src), []
+    for stage, arms in src.data["summary"].items():
+        base, q = arms["plain"], arms["sdpq"]
+        rows += [
+            src.row(
+                f"bytes-zero{stage}",
+                f"cross-node bytes per step vs ZeRO-{stage} without the block, process-group meter ({where})",
+                f"{q['bytes_per_step'] / 1e6:.2f} MB",
+                f"{base['bytes_per_step'] / 1e6:.2f} MB",
+                f"{q['bytes_ratio']:.3f}",
+            ),
+            src.row(
+                f"loss-zero{stage}",
+                f"final training loss vs ZeRO-{stage} without the block, mean over seeds ({where})",
+                f"{q['final_loss_mean']:.4f}",
+                f"{base['final_loss_mean']:.4f} (sd {base['final_loss_sd']:.4f})",
+                f"{q['diff_in_baseline_sd']:+.2f} sd",
+            ),
+        ]
+    return rows
+
+
+def low_bits_rows(src) -> list:
+    where, rows = _where(src), []
+    for stage, arms in src.data["summary"].items():
+        base = arms["plain"]
+        for arm, bits in (("sdpq3", 3), ("sdpq2", 2)):
+            if arm not in arms:
+                continue
+            q = arms[arm]
+            rows.append(
+                src.row(
+                    f"bytes-zero{stage}-{bits}bit",
+                    f"ZeRO-{stage}, {bits}-bit weight differences and inter-node gradients: cross-node bytes per "
+                    f"step (final loss {q['final_loss_mean']:.4f} vs {base['final_loss_mean']:.4f}; {where})",
+                    f"{q['bytes_per_step'] / 1e6:.2f} MB",
+                    f"{base['bytes_per_step'] / 1e6:.2f} MB",
+                    f"{q['bytes_ratio']:.3f}",
+                )
+            )
+    return rows
