@@ -124,9 +124,10 @@ def ranks_env(ctx) -> None:
     # Accelerate and the Trainer start DeepSpeed's communication themselves, whose first start
     # JIT-builds a shared-memory op (~40 s on 2 cores) that only inference all-reduce uses; what
     # sdpq.deepspeed.init_distributed skips, skipped here too (sdpq.integrations.deepspeed).
-    import deepspeed.comm.torch
+    import importlib
 
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # Note: the attribute `deepspeed.comm.torch` is PyTorch itself; the module needs importlib.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     try:
         from accelerate.state import AcceleratorState
 

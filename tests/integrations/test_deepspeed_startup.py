@@ -185,6 +185,7 @@ def test_ds_configs_are_valid_and_documented():
         "zero3_sdpq_gradients.json",
         "zero3_sdpq_optimizer.json",
         "zero3_zeropp.json",
+        "zero2_sdpq.json",
     }
     assert expected <= set(CONFIG_FILES)
     for f in CONFIG_FILES:
@@ -195,10 +196,16 @@ def test_ds_configs_are_valid_and_documented():
             assert cfg is None
             continue
         out = sds.prepare_config(ds, cfg, {})
-        assert "sdpq" not in out and out["zero_optimization"]["stage"] == 3
+        assert "sdpq" not in out and out["zero_optimization"]["stage"] == int(f[4])
     zpp = json.load(open(os.path.join(CONFIGS, "zero3_zeropp.json")))
     with pytest.raises(sds.IncompatibleConfigError, match="ZeRO\\+\\+"):
         sds.prepare_config({**zpp, "sdpq": {"weights": {}}}, Config(), {})
+
+
+def _master(zopt):
+    """The first fp32 (or bf16) master partition: ZeRO-3's or ZeRO-1/2's."""
+    flat = getattr(zopt, "fp32_partitioned_groups_flat", None)
+    return flat[0] if flat is not None else zopt.single_partition_of_fp32_groups[0]
 
 
 def _configs_fn(ctx):
@@ -226,7 +233,7 @@ def _configs_fn(ctx):
             "sdpq": ad is not None,
             "layout": ad and ad.topology.layout,
             "optimizer": type(eng.optimizer.optimizer).__module__,
-            "master_dtype": str(eng.optimizer.fp32_partitioned_groups_flat[0].dtype),
+            "master_dtype": str(_master(eng.optimizer).dtype),
             "finite": all(map(lambda v: v == v and abs(v) < 1e4, losses)),
         }
         eng.destroy()
@@ -250,6 +257,13 @@ def test_ds_configs_train(dist):
         "finite": True,
     }
     assert r["zero3_sdpq_optimizer.json"]["optimizer"] == "sdpq.optim.adamw"
+    assert r["zero2_sdpq.json"] == {  # ZeRO-2: sdpq's AdamW on DeepSpeed's fp32 master partitions
+        "sdpq": True,
+        "layout": "2x2",
+        "optimizer": "sdpq.optim.adamw",
+        "master_dtype": "torch.float32",
+        "finite": True,
+    }
     for f in ("zero3_sdpq_weights.json", "zero3_sdpq_gradients.json"):
         assert r[f] == {
             "sdpq": True,
