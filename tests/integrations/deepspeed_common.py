@@ -37,10 +37,21 @@ EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimize
 FULL_BLOCK = {"weights": {"mode": "diff"}, "workarounds": {"deepspeed_alias_bf16_master": True}}
 
 
+def skip_shm_op_build() -> None:
+    """DeepSpeed's first communication start JIT-builds a shared-memory op (~40 s on 2 cores)
+    that only inference all-reduce uses: skipped, as sdpq.deepspeed.initialize skips it, for
+    the runs that start DeepSpeed without the block (plain arms, Accelerate, the Trainer)."""
+    import importlib
+
+    # Note: the attribute `deepspeed.comm.torch` is PyTorch itself; the module needs importlib.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def fresh_deepspeed() -> None:
     """DeepSpeed caches process groups in module globals; the harness destroys the previous run's
     groups, so forget them (a real job has one engine per process)."""
     reset_deepspeed_groups()
+    skip_shm_op_build()
     import logging
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

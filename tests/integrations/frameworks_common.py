@@ -121,13 +121,9 @@ def ranks_env(ctx) -> None:
 
     reset_deepspeed_groups()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    # Accelerate and the Trainer start DeepSpeed's communication themselves, whose first start
-    # JIT-builds a shared-memory op (~40 s on 2 cores) that only inference all-reduce uses; what
-    # sdpq.deepspeed.init_distributed skips, skipped here too (sdpq.integrations.deepspeed).
-    import importlib
+    from deepspeed_common import skip_shm_op_build
 
-    # Note: the attribute `deepspeed.comm.torch` is PyTorch itself; the module needs importlib.
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    skip_shm_op_build()  # Accelerate and the Trainer start DeepSpeed's communication themselves
     try:
         from accelerate.state import AcceleratorState
 
