@@ -10,7 +10,7 @@ Arms (same data and initialisation per seed):
   sdpq2   weights.bits 2, gradients.inter_bits 2
 
 Cross-node bytes come from the independent process-group meter (benchmarks/zeropp/bytes.py),
-during the training steps only. After every step each rank's flat bf16 weights are fingerprinted;
+during the training steps only. After every step each rank's flat bf16 weights are checksummed;
 the result says whether the replicas were bitwise equal at every step. live_bytes: the tensors
 alive on rank 0 after training (the engine, its optimizer and sdpq's state).
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["generator_state", "restore_generator"]
+__all__ = ["generator_state", "per_rank_generator", "restore_generator"]
+
+
+def per_rank_generator(seed: int, rank: int, device: torch.device) -> torch.Generator:
+    """A rank's own stochastic-rounding stream for a collective seeded `seed`: independent
+    streams per rank, so that the ranks' rounding errors cancel."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank + 1)
 
 
 def generator_state(gen: torch.Generator | None) -> torch.Tensor | None:

@@ -38,7 +38,7 @@ from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
 from ..quant.rows import poison_scales_
 from . import timing
 from ._exchange import all_to_all_rows, reduce_scatter_flat
-from ._rng import generator_state, restore_generator
+from ._rng import generator_state, per_rank_generator, restore_generator
 from .agreement import check_agreement
 from .chunks import chunk_layout
 from .segments import Segment
@@ -251,9 +251,7 @@ class GradReduceScatter:
             return None
         if self._gen is None:
             # Independent streams per rank: rounding errors of different ranks then cancel.
-            self._gen = torch.Generator(device=device).manual_seed(
-                self.config.seed * 1_000_003 + self.topology.rank + 1
-            )
+            self._gen = per_rank_generator(self.config.seed, self.topology.rank, device)
         return self._gen
 
     def _slice_rows(self, x: torch.Tensor, j: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
 from . import timing
 from ._exchange import all_to_all_split
-from ._rng import generator_state, restore_generator
+from ._rng import generator_state, per_rank_generator, restore_generator
 from .stats import CommStats, Recorder
 from .topology import Topology
 
@@ -160,9 +160,7 @@ class OwnedReduceScatter:
         if self.config.rounding != "stochastic":
             return None
         if self._gen is None:  # independent streams per rank: rounding errors then cancel
-            self._gen = torch.Generator(device=device).manual_seed(
-                self.config.seed * 1_000_003 + self.topology.rank + 1
-            )
+            self._gen = per_rank_generator(self.config.seed, self.topology.rank, device)
         return self._gen
 
     def _exchange(

@@ -27,12 +27,20 @@ class ReferenceMismatchWarning(RuntimeWarning):
     """verify_every found holders of one reference disagreeing; the next refresh resyncs it exactly."""
 
 
+_CHECKSUM_CHUNK = 1 << 24  # bytes per pass: int64 copies of 16 M bytes at most, whatever t's size
+
+
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """Two int64 sums of the raw bytes (plain and position-weighted): equal on bitwise-equal
-    tensors, different on virtually any corruption (a flipped bit changes the plain sum)."""
-    bits = t.contiguous().view(torch.uint8).flatten().to(torch.int64)
-    weights = torch.arange(bits.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
-    return torch.stack((bits.sum(), (bits * weights).sum()))
+    tensors, different on virtually any corruption (a flipped bit changes the plain sum). Taken
+    in chunks, so that a whole model's weights (ZeRO-1/2's flat groups) need no int64 copy."""
+    raw = t.contiguous().view(torch.uint8).flatten()
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for a in range(0, raw.numel(), _CHECKSUM_CHUNK):
+        bits = raw[a : a + _CHECKSUM_CHUNK].to(torch.int64)
+        weights = torch.arange(a, a + bits.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
+        out += torch.stack((bits.sum(), (bits * weights).sum()))
+    return out
 
 
 class ReferenceHealth:

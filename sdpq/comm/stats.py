@@ -237,6 +237,22 @@ class Recorder:
         if self.enabled:
             self.stats.record_error(path, link, relative_error)
 
+    def record_all_gather(
+        self, path: str, ranks_per_node: int, world_size: int, row_bytes: int, elements: int, itemsize: int
+    ) -> None:
+        """A world all-gather of this rank's row (row_bytes on the wire for `elements` elements
+        of `itemsize` bytes as plain): the row goes to every other rank of the node (intra) and
+        of the other nodes (inter)."""
+        for link, peers in (("intra", ranks_per_node - 1), ("inter", world_size - ranks_per_node)):
+            if peers:
+                self.record(
+                    path,
+                    link,
+                    bytes=peers * row_bytes,
+                    elements=peers * elements,
+                    baseline_bytes=peers * elements * itemsize,
+                )
+
 
 _DEFAULT = CommStats()
 

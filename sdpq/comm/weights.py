@@ -412,17 +412,9 @@ class WeightGather:
 
     def _record_world(self, row_bytes: int, itemsize: int) -> None:
         topo = self.topology
-        L, N = topo.ranks_per_node, topo.world_size
-        valid = self._valid[topo.rank]
-        for link, peers in (("intra", L - 1), ("inter", N - L)):
-            if peers:
-                self._rec.record(
-                    "weights",
-                    link,
-                    bytes=peers * row_bytes,
-                    elements=peers * valid,
-                    baseline_bytes=peers * valid * itemsize,
-                )
+        self._rec.record_all_gather(
+            "weights", topo.ranks_per_node, topo.world_size, row_bytes, self._valid[topo.rank], itemsize
+        )
 
     def _gather_direct(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         topo = self.topology

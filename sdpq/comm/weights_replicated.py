@@ -31,11 +31,12 @@ from ..quant import QuantSpec
 from ..quant.groupwise import SCALE_DTYPES
 from . import timing
 from ._exchange import all_gather_flat, all_gather_rows
-from ._rng import generator_state, restore_generator
+from ._rng import generator_state, per_rank_generator, restore_generator
+from .reference_health import checksum
 from .stats import CommStats, Recorder
 from .topology import Topology
 
-__all__ = ["ReplicaDiffGather", "fingerprint", "replicas_agree"]
+__all__ = ["ReplicaDiffGather", "replicas_agree"]
 
 
 class ReplicaDiffGather:
@@ -106,7 +107,9 @@ class ReplicaDiffGather:
             got, work = all_gather_rows(wire, topo.world_group)
             if work is not None:
                 work.wait()
-        self._record(wire.numel(), n, rows.element_size())
+        self._rec.record_all_gather(
+            "weights", topo.ranks_per_node, topo.world_size, wire.numel(), n, rows.element_size()
+        )
         with timing.span("weights.decode"):
             decode_rows(got, self.spec, n, rows[:, a:b], add=True)
 
@@ -118,36 +121,26 @@ class ReplicaDiffGather:
                 rows[0].copy_(own)
             else:
                 all_gather_flat(rows.view(-1), own, topo.world_group)
-        self._record(own.numel() * own.element_size(), own.numel(), rows.element_size())
-
-    def _record(self, row_bytes: int, elements: int, itemsize: int) -> None:
-        """An all-gather: each rank's row goes to every other rank (the byte model of stats.py)."""
-        topo = self.topology
-        L, N = topo.ranks_per_node, topo.world_size
-        for link, k in (("intra", L - 1), ("inter", N - L)):
-            if k:
-                self._rec.record(
-                    "weights", link, bytes=k * row_bytes, elements=k * elements, baseline_bytes=k * elements * itemsize
-                )
+        self._rec.record_all_gather(
+            "weights",
+            topo.ranks_per_node,
+            topo.world_size,
+            own.numel() * own.element_size(),
+            own.numel(),
+            rows.element_size(),
+        )
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if self.config.rounding != "stochastic":
             return None
         if self._gen is None:
-            self._gen = torch.Generator(device=device).manual_seed(self.topology.rank + 1)
+            self._gen = per_rank_generator(0, self.topology.rank, device)
         return self._gen
 
 
-def fingerprint(flat: torch.Tensor) -> torch.Tensor:
-    """A cheap checksum of a buffer's bits: int64 sums of its 16- or 32-bit words, all of them and
-    those at even positions (so that most swaps differ too), without an int64 copy of the buffer."""
-    words = flat.reshape(-1).view(torch.int16 if flat.element_size() == 2 else torch.int32)
-    return torch.stack((words.sum(dtype=torch.int64), words[::2].sum(dtype=torch.int64)))
-
-
 def replicas_agree(flat: torch.Tensor, group) -> bool:
-    """True if every rank of `group` holds the same `flat` (by fingerprint; one small all-reduce)."""
-    f = fingerprint(flat)
-    both = torch.cat((f, -f))  # MAX of both: the largest and (minus) the smallest fingerprint
+    """True if every rank of `group` holds the same `flat` (by checksum; one small all-reduce)."""
+    f = checksum(flat)
+    both = torch.cat((f, -f))  # MAX of both: the largest and (minus) the smallest checksum
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     return bool(torch.equal(both[:2], -both[2:]))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..comm import all_gather_rows
 from ._ds_state import AdapterState
 
-__all__ = ["CheckpointMixin", "STATE_FILE", "wrap_engine"]
+__all__ = ["CheckpointMixin", "STATE_FILE", "agree_on_problems", "state_path", "wrap_engine"]
 
 STATE_FILE = "sdpq_rank{rank:05d}.pt"
 _FORMAT = 1
@@ -63,6 +63,33 @@ def wrap_engine(eng, state_dict, state_path, after_load, remove):
             eng.__dict__.pop(n, None)
 
     return undo
+
+
+def agree_on_problems(problem: str | None, topology, device) -> list[str]:
+    """Every rank's problem ("rank r: ..."), the same list on every rank; empty when none has
+    one. One all-gather of a flag on the world's communication device; the texts travel
+    only when some rank has a problem."""
+    group = topology.world_group
+    mine = torch.tensor([1 if problem else 0], dtype=torch.int64, device=device)
+    flags, work = all_gather_rows(mine, group)
+    if work is not None:
+        work.wait()
+    if not bool(flags.any()):
+        return []
+    texts: list = [None] * topology.world_size
+    dist.all_gather_object(texts, problem, group=group)
+    me = topology.rank
+    # This rank's own problem first, then the others' (a few: every rank warns).
+    bad = sorted((r for r, t in enumerate(texts) if t), key=lambda r: (r != me, r))
+    shown = [f"rank {r}: {texts[r]}" for r in bad[:_SHOWN]]
+    if len(bad) > _SHOWN:
+        shown.append(f"and {len(bad) - _SHOWN} more rank(s)")
+    return shown
+
+
+def state_path(ckpt_dir: str, rank: int) -> str:
+    """This rank's sdpq state file in a checkpoint's tag directory."""
+    return os.path.join(ckpt_dir, STATE_FILE.format(rank=rank))
 
 
 class CheckpointMixin(AdapterState):
@@ -108,7 +135,7 @@ class CheckpointMixin(AdapterState):
                 grs.reset_error_feedback()
 
     def _state_path(self, ckpt_dir: str) -> str:
-        return os.path.join(ckpt_dir, STATE_FILE.format(rank=self.topology.rank))
+        return state_path(ckpt_dir, self.topology.rank)
 
     def _after_load(self, ckpt_dir: str) -> None:
         """The partitions were replaced: restore the references saved with them (bitwise resume)
@@ -157,25 +184,7 @@ class CheckpointMixin(AdapterState):
         return (None, problem) if problem else (state, None)
 
     def _agree(self, problem: str | None) -> list[str]:
-        """Every rank's problem ("rank r: ..."), the same list on every rank; empty when none has
-        one. One all-gather of a flag on the world's communication device; the texts travel
-        only when some rank has a problem."""
-        group = self.topology.world_group
-        mine = torch.tensor([1 if problem else 0], dtype=torch.int64, device=self._comm_device)
-        flags, work = all_gather_rows(mine, group)
-        if work is not None:
-            work.wait()
-        if not bool(flags.any()):
-            return []
-        texts: list = [None] * self.topology.world_size
-        dist.all_gather_object(texts, problem, group=group)
-        me = self.topology.rank
-        # This rank's own problem first, then the others' (a few: every rank warns).
-        bad = sorted((r for r, t in enumerate(texts) if t), key=lambda r: (r != me, r))
-        shown = [f"rank {r}: {texts[r]}" for r in bad[:_SHOWN]]
-        if len(bad) > _SHOWN:
-            shown.append(f"and {len(bad) - _SHOWN} more rank(s)")
-        return shown
+        return agree_on_problems(problem, self.topology, self._comm_device)
 
     def _incompatible(self, state: dict) -> str | None:
         if state.get("format") != _FORMAT:

@@ -5,6 +5,7 @@ before it builds an engine, and the config DeepSpeed then gets. No torch import 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 
 from ..config import ADAMW_HYPERPARAMETERS, Config, ConfigError, check_adamw_hyperparameters
@@ -169,8 +170,6 @@ def _check_zero12(ds: dict, zero: Mapping, cfg: Config, stage: int) -> Config:
     """ZeRO-1/2 with the block: what is refused, and the optimizer's master (an MCF master needs
     DeepSpeed's bf16 master-weights mode, which ZeRO-1/2 run only with CPU offload). Returns the
     config the optimizer is built from."""
-    import dataclasses
-
     where = f"ZeRO-{stage}"
     refuse = []
     offload = zero.get("offload_optimizer") or {}

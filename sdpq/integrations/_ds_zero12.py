@@ -24,7 +24,6 @@ so `{"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}}` trains bitwi
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from typing import Any
@@ -40,7 +39,7 @@ from ..comm.stats import process_stats, register_holder
 from ..comm.weights_replicated import replicas_agree
 from ..config import Config
 from ..quant import true_div
-from ._ds_checkpoint import STATE_FILE, wrap_engine
+from ._ds_checkpoint import agree_on_problems, state_path, wrap_engine
 from ._ds_monitor import install_monitor
 
 __all__ = ["Zero12Adapter"]
@@ -145,11 +144,13 @@ class Zero12Adapter:
 
     # ------------------------------------------------------------------ gradients
 
-    def _pieces(self, tensor: torch.Tensor, dtype) -> tuple[list[Piece], list[tuple[int, int]]]:
-        """The bucket's pieces and their owners, as DeepSpeed's average_tensor cuts them."""
+    def _pieces(self, tensor: torch.Tensor, dtype) -> dict[Piece, tuple[int, int]]:
+        """The bucket's pieces (with their owners, as DeepSpeed's average_tensor cuts them) ->
+        (parameter group, parameter id) of each, in bucket order."""
         opt = self.optimizer
         bucket = opt.ipg_buckets[dtype]
-        pieces, where, at = [], [], 0
+        pieces: dict[Piece, tuple[int, int]] = {}
+        at = 0
         for i, idx, param_id in bucket.params:
             numel = opt.bit16_groups[i][idx].numel()
             starts = sorted(
@@ -157,23 +158,21 @@ class Zero12Adapter:
             )
             for k, (off, pid) in enumerate(starts):
                 end = starts[k + 1][0] if k + 1 < len(starts) else numel
-                pieces.append(Piece(at + off, end - off, pid))
-                where.append((i, param_id))
+                pieces[Piece(at + off, end - off, pid)] = (i, param_id)
             at += numel
         if at != tensor.numel():
             raise RuntimeError(f"sdpq ZeRO-1/2: the bucket holds {tensor.numel()} elements, its parameters {at}")
-        return pieces, where
+        return pieces
 
     def _average_tensor(self, tensor: torch.Tensor, communication_data_type) -> None:
         opt = self.optimizer
         assert self.grads is not None
-        pieces, where = self._pieces(tensor, communication_data_type)
+        pieces = self._pieces(tensor, communication_data_type)
         div = self.topology.world_size / float(getattr(opt, "sequence_parallel_size", 1))
-        index = {p: k for k, p in enumerate(pieces)}
-        for piece, total in self.grads(tensor, pieces):
+        for piece, total in self.grads(tensor, list(pieces)):
             avg = true_div(total, div) if opt.gradient_average else total
             tensor.narrow(0, piece.offset, piece.numel).copy_(avg)
-            i, param_id = where[index[piece]]
+            i, param_id = pieces[piece]
             out = opt._get_compact_grad_partition_slice(i, piece.owner, param_id, piece.numel)
             if out is not None:  # fp32 gradient accumulation: the fp32 average, before any rounding
                 out.add_(avg.to(out.dtype))
@@ -262,18 +261,15 @@ class Zero12Adapter:
     def _after_load(self, ckpt_dir: str) -> None:
         """Restore this rank's state; if any rank cannot (no file: saved without sdpq; another
         layout), every rank warns and the next gathers are exact (rounding streams start anew)."""
-        path = self._state_path(ckpt_dir)
         problem = None
         try:
-            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            self.load_state_dict(torch.load(self._state_path(ckpt_dir), map_location="cpu", weights_only=True))
         except Exception as e:  # every rank must reach the agreement below
             problem = f"{type(e).__name__}: {e}"
-        flag = torch.tensor([int(problem is not None)], device=comm_device(self.topology.world_group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.world_group)
-        if int(flag):
+        problems = agree_on_problems(problem, self.topology, comm_device(self.topology.world_group))
+        if problems:
             warnings.warn(
-                f"sdpq: checkpoint {ckpt_dir}: {problem or 'another rank could not restore its sdpq state'}; "
-                "the next weight gathers are exact",
+                f"sdpq: checkpoint {ckpt_dir}: {'; '.join(problems)}; the next weight gathers are exact",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -283,7 +279,7 @@ class Zero12Adapter:
         self._undo.append(wrap_engine(self.engine, self.state_dict, self._state_path, self._after_load, self.remove))
 
     def _state_path(self, ckpt_dir: str) -> str:
-        return os.path.join(ckpt_dir, STATE_FILE.format(rank=self.topology.rank))
+        return state_path(ckpt_dir, self.topology.rank)
 
 
 def _install_dispatcher() -> None:

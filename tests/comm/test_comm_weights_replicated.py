@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from sdpq.comm import CommStats, Topology
-from sdpq.comm.weights_replicated import ReplicaDiffGather, fingerprint, replicas_agree
+from sdpq.comm import CommStats, Topology, reference_health
+from sdpq.comm.reference_health import checksum
+from sdpq.comm.weights_replicated import ReplicaDiffGather, replicas_agree
 from sdpq.config import WeightsConfig
 
 
@@ -57,12 +58,15 @@ def test_exact_gather_is_the_rounded_master(dist):
     assert all(dist.run(_exact_case, 4, 2, 777))
 
 
-def test_fingerprint_sees_one_changed_bit_and_a_swap():
+def test_checksum_sees_one_changed_bit_and_a_swap(monkeypatch):
     x = torch.randn(1001).to(torch.bfloat16)
     y = x.clone()
     y.view(torch.int16)[500] ^= 1
     z = x.clone()
     z[[3, 4]] = z[[4, 3]]
-    assert not torch.equal(fingerprint(x), fingerprint(y))
+    assert not torch.equal(checksum(x), checksum(y))
     if x[3] != x[4]:
-        assert not torch.equal(fingerprint(x), fingerprint(z))
+        assert not torch.equal(checksum(x), checksum(z))
+    whole = checksum(x)
+    monkeypatch.setattr(reference_health, "_CHECKSUM_CHUNK", 7)  # chunks do not change the value
+    assert torch.equal(checksum(x), whole)

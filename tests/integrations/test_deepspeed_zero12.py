@@ -73,14 +73,14 @@ def _steps(ctx, engine, first: int, n: int, seed: int) -> list[float]:
 
 
 def _prints(engine) -> list:
-    from sdpq.comm.weights_replicated import fingerprint
+    from sdpq.comm.reference_health import checksum
 
-    return [fingerprint(f).tolist() for f in engine.optimizer.bit16_groups_flat]
+    return [checksum(f).tolist() for f in engine.optimizer.bit16_groups_flat]
 
 
 def _train(ctx, stage: int, block: dict | None, seed: int = 0):
     """STEPS optimizer steps of the tiny GPT; -> losses, cross-node bytes (independent meter),
-    and a fingerprint of this rank's weights."""
+    and a checksum of this rank's weights."""
     from benchmarks.zeropp.bytes import LinkBytes
 
     engine = _engine(stage, block, seed)
