@@ -63,7 +63,9 @@ class Zero12Adapter:
         self.grads = (
             None
             if config.gradients.mode == "exact"
-            else OwnedReduceScatter(self.topology, config.gradients, stats=config.stats, record_to=self.stats)
+            else OwnedReduceScatter(
+                self.topology, config.gradients, device=engine.device, stats=config.stats, record_to=self.stats
+            )
         )
         self.weights: dict[int, ReplicaDiffGather] = {}
         self._old: dict[int, torch.Tensor] = {}  # group -> own partition before this step
