@@ -12,7 +12,7 @@ The seed sets the model's initialisation and the batches' order alike in both ar
 seed is a paired comparison; the baseline's spread over seeds is the yardstick: sdpq's
 final-loss difference is reported in units of that standard deviation and in percent.
 
-Cross-node bytes come from an independent meter (benchmarks/zeropp/bytes.py wraps every
+Cross-node bytes come from an independent meter (sdpq/comm/link_bytes.py wraps every
 ProcessGroup collective; it does not read sdpq's statistics), counted during the training steps
 only. Writes --out (JSON) and a PNG of the loss curves (mean over seeds and min-max band).
 
@@ -78,7 +78,8 @@ def run_arm(spec, framework: str) -> dict:
     import torch.distributed as dist
 
     from benchmarks.zeropp import reset_deepspeed_groups, simulate_nodes
-    from benchmarks.zeropp.bytes import LinkBytes, sum_over_ranks, training_window
+    from benchmarks.zeropp.window import training_window
+    from sdpq.comm.link_bytes import LinkBytes, sum_over_ranks
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(simulate_nodes(RPN))

@@ -10,7 +10,7 @@ Arms (same data and initialisation per seed):
   powersgd  torch's PowerSGD, rank 4, error feedback, plain all-reduce for the first 2 iterations
   sdpq      sdpq.ddp with the default gradient settings (8-bit inside the node, 4-bit across)
 
-Cross-node bytes come from the independent process-group meter (benchmarks/zeropp/bytes.py),
+Cross-node bytes come from the independent process-group meter (sdpq/comm/link_bytes.py),
 during the training steps only. Every arm records a digest of every rank's parameters after
 every step; the result says whether the replicas were bitwise equal at every step.
 
@@ -67,7 +67,7 @@ def spec_for(args, arm: str, seed: int):
 def run_arm(spec, hook: str | None) -> dict:
     import torch.distributed as dist
 
-    from benchmarks.zeropp.bytes import LinkBytes, sum_over_ranks
+    from sdpq.comm.link_bytes import LinkBytes, sum_over_ranks
     from sdpq.train import ddp_backend
 
     with LinkBytes(RPN) as counter, cl.step_window(counter, ddp_backend):

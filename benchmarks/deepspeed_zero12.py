@@ -9,7 +9,10 @@ Arms (same data and initialisation per seed):
   sdpq3   weights.bits 3, gradients.inter_bits 3
   sdpq2   weights.bits 2, gradients.inter_bits 2
 
-Cross-node bytes come from the independent process-group meter (benchmarks/zeropp/bytes.py),
+Stages: 1, 2, and 1-fp32 (ZeRO-1 with data_types.grad_accum_dtype fp32, where DeepSpeed runs its
+BF16_Optimizer).
+
+Cross-node bytes come from the independent process-group meter (sdpq/comm/link_bytes.py),
 during the training steps only. After every step each rank's flat bf16 weights are checksummed;
 the result says whether the replicas were bitwise equal at every step. live_bytes: the tensors
 alive on rank 0 after training (the engine, its optimizer and sdpq's state).
@@ -47,12 +50,12 @@ ARMS = {
 }
 
 
-def ds_config(args, stage: int, block: dict | None) -> dict:
+def ds_config(args, stage: str, block: dict | None) -> dict:
     ds = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": ACCUM,
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": int(stage.split("-")[0])},
         "bf16": {"enabled": True},
         "optimizer": {
             "type": "AdamW",
@@ -64,20 +67,22 @@ def ds_config(args, stage: int, block: dict | None) -> dict:
         },
         "steps_per_print": 1 << 30,
     }
+    if stage.endswith("-fp32"):
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if block is not None:  # the simulated nodes: torchrun says 4 ranks on one machine
         ds["sdpq"] = {**block, "topology": {"ranks_per_node": RPN}}
     return ds
 
 
-def run_arm(args, stage: int, arm: str, seed: int) -> dict:
+def run_arm(args, stage: str, arm: str, seed: int) -> dict:
     import gc
 
     import torch
     import torch.distributed as dist
 
     import sdpq
-    from benchmarks.zeropp.bytes import LinkBytes, sum_over_ranks
     from benchmarks.zeropp.groups import reset_deepspeed_groups
+    from sdpq.comm.link_bytes import LinkBytes, sum_over_ranks
     from sdpq.comm.weights_replicated import replicas_agree
     from sdpq.memory import live_tensor_bytes
     from sdpq.train.data import TokenData
@@ -90,6 +95,8 @@ def run_arm(args, stage: int, arm: str, seed: int) -> dict:
     engine, *_ = sdpq.deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config(args, stage, ARMS[arm])
     )
+    opt = engine.optimizer
+    flats = opt.bf16_groups_flat if type(opt).__name__ == "BF16_Optimizer" else opt.bit16_groups_flat
     data, rank = TokenData.stdlib(), dist.get_rank()
     losses, equal, t0 = [], True, time.time()
     counter = LinkBytes(RPN)
@@ -107,7 +114,7 @@ def run_arm(args, stage: int, arm: str, seed: int) -> dict:
             t = torch.tensor([total])
             dist.all_reduce(t)
             losses.append(float(t) / WORLD)
-            equal &= all(replicas_agree(f, None) for f in engine.optimizer.bit16_groups_flat)
+            equal &= all(replicas_agree(f, None) for f in flats)
     seconds = time.time() - t0
     per_rank: list = [None] * WORLD
     dist.all_gather_object(per_rank, counter.as_dict())
@@ -142,7 +149,7 @@ def worker(job_file: str, out_file: str) -> None:
     dist.destroy_process_group()
 
 
-def run_seed(args, seed: int, stages: list[int], arms: list[str]) -> dict:
+def run_seed(args, seed: int, stages: list[str], arms: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="sdpq-zero12-") as tmp:
         job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "run.log"
         shown = {k: v for k, v in vars(args).items() if k not in ("worker",)}
@@ -199,7 +206,9 @@ def main(argv=None) -> int:
         worker(*args.worker)
         return 0
     arms = [a for a in args.arms.split(",") if a]
-    stages = [int(s) for s in args.stages.split(",")]
+    stages = [s for s in args.stages.split(",") if s]
+    if set(stages) - {"1", "2", "1-fp32"}:
+        ap.error(f"--stages: {args.stages!r}; allowed: 1, 2, 1-fp32 (comma-separated)")
     runs, t0 = {}, time.time()
     for seed in (int(s) for s in args.seeds.split(",")):
         t = time.time()

@@ -6,7 +6,7 @@ Per layout and arm, one job on emulated nodes (``sdpq.launch.netns``: a network 
 node, a shaped link) and the same job on loopback (its compute floor):
 
 - bytes: every rank counts what it puts on the inter-node links at the process-group level
-  (benchmarks/zeropp/bytes.py; not sdpq's statistics), per optimizer step; the mean of steps 2..
+  (sdpq/comm/link_bytes.py; not sdpq's statistics), per optimizer step; the mean of steps 2..
   summed over ranks must EQUAL ``fsdp_cross_node_bytes`` (the model's byte formula for this GPT,
   world and layout), path by path;
 - time: predicted step = the loopback step (compute, intra-node traffic, kernels) + the busiest
@@ -47,7 +47,7 @@ def worker(job_file: str, out_file: str) -> None:
     import torch.distributed as dist
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from benchmarks.zeropp.bytes import LinkBytes
+    from sdpq.comm.link_bytes import LinkBytes
     from sdpq.train.fsdp_backend import train
     from sdpq.train.run import RunSpec
 

@@ -13,7 +13,7 @@ bf16 arithmetic, bf16 gradients because that is what large jobs send):
   hsdp+sdpq_exact_weights  (on request) HSDP + sdpq with weights "exact": the shard group's
               gathers stay FSDP2's plain ones inside the node; only gradients are quantized
 
-Bytes are counted by benchmarks/zeropp/bytes.py at the process-group level (not sdpq's own
+Bytes are counted by sdpq/comm/link_bytes.py at the process-group level (not sdpq's own
 statistics), per optimizer step, summed over ranks, split by whether a transfer crosses the
 simulated node boundary (node = rank // 2). The 1-D rows gather fp32 weights (fp32 parameters);
 the column "bf16 weights" gives what they would send with bf16 weights (weights path halved).
@@ -52,7 +52,7 @@ def _arm(name: str, spec_kw: dict) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from benchmarks.zeropp.bytes import LinkBytes
+    from sdpq.comm.link_bytes import LinkBytes
     from sdpq.train.fsdp_backend import train
     from sdpq.train.run import RunSpec
 

@@ -453,6 +453,7 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     ddp = load(results_dir, "ddp_seeds.json", "benchmarks/ddp_seeds.py")
     zero12 = load(results_dir, "deepspeed_zero12.json", "benchmarks/deepspeed_zero12.py")
     zero12_low = load(results_dir, "deepspeed_zero12_low_bits.json", "benchmarks/deepspeed_zero12.py")
+    zero12_fp32 = load(results_dir, "deepspeed_zero12_fp32_accum.json", "benchmarks/deepspeed_zero12.py")
     budget = load(results_dir, "kernel_budget.json", "benchmarks/kernel_budget.py")
     speed = load(results_dir, "gpu_speed.json", GPU_SPEED_COMMAND)
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
@@ -482,6 +483,8 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
         out += results_ddp.ddp_rows(ddp)
     if zero12.exists:
         out += results_zero12.zero12_rows(zero12)
+    if zero12_fp32.exists:
+        out += results_zero12.zero12_rows(zero12_fp32)
     if zero12_low.exists:
         out += results_zero12.low_bits_rows(zero12_low)
     if budget.exists:

@@ -11,21 +11,28 @@ def _where(src) -> str:
     return f"Llama-shaped model, bf16, accumulation 2, seed{'s' if ',' in seeds else ''} {seeds}, {a['steps']} steps"
 
 
+def _label(stage: str) -> str:
+    """ "1", "2", "1-fp32" (ZeRO-1 with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer)."""
+    if stage.endswith("-fp32"):
+        return f"ZeRO-{stage.split('-')[0]} with fp32 gradient accumulation"
+    return f"ZeRO-{stage}"
+
+
 def zero12_rows(src) -> list:
     where, rows = _where(src), []
     for stage, arms in src.data["summary"].items():
-        base, q = arms["plain"], arms["sdpq"]
+        base, q, label = arms["plain"], arms["sdpq"], _label(stage)
         rows += [
             src.row(
                 f"bytes-zero{stage}",
-                f"cross-node bytes per step vs ZeRO-{stage} without the block, process-group meter ({where})",
+                f"cross-node bytes per step vs {label} without the block, process-group meter ({where})",
                 f"{q['bytes_per_step'] / 1e6:.2f} MB",
                 f"{base['bytes_per_step'] / 1e6:.2f} MB",
                 f"{q['bytes_ratio']:.3f}",
             ),
             src.row(
                 f"loss-zero{stage}",
-                f"final training loss vs ZeRO-{stage} without the block, mean over seeds ({where})",
+                f"final training loss vs {label} without the block, mean over seeds ({where})",
                 f"{q['final_loss_mean']:.4f}",
                 f"{base['final_loss_mean']:.4f} (sd {base['final_loss_sd']:.4f})",
                 f"{q['diff_in_baseline_sd']:+.2f} sd",

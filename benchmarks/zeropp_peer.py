@@ -17,7 +17,7 @@ Ablations on request (--arms): zeropp_qwz_hpz (ZeRO++ without qgZ), zeropp_qgz (
 Every arm is trained by sdpq.train.deepspeed_backend.train (bf16, AdamW, clipping 1.0, warm-up +
 cosine), with benchmarks.zeropp.ZERO3_AT_SCALE (no prefetch, reuse distance 0: backward gathers
 again, as it does on large models; see that constant). Bytes are counted the same way for every
-arm by benchmarks/zeropp/bytes.py at the process-group level, only during the training steps
+arm by sdpq/comm/link_bytes.py at the process-group level, only during the training steps
 (engine construction, evaluation and result gathering excluded), summed over ranks, and split by
 whether a transfer crosses the simulated node boundary. The sdpq arm's own statistics are
 printed beside them as a cross-check.
@@ -82,7 +82,8 @@ def run_arm(arm: str, spec, ranks_per_node: int) -> dict:
     import torch.distributed as dist
 
     from benchmarks.zeropp import install_cpu_kernels, reset_deepspeed_groups, simulate_nodes
-    from benchmarks.zeropp.bytes import LinkBytes, sum_over_ranks, training_window
+    from benchmarks.zeropp.window import training_window
+    from sdpq.comm.link_bytes import LinkBytes, sum_over_ranks
     from sdpq.train import deepspeed_backend
 
     block, overrides = arm_config(arm, ranks_per_node)

@@ -6,7 +6,10 @@ the same seed and data: FSDP2 baseline, FSDP2 + sdpq, ZeRO-3 baseline, ZeRO-3 + 
 baselines are what users run: bf16 mixed precision (FSDP2
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on fp32 parameters, ZeRO-3
 ``"bf16": {"enabled": true}``); every ratio the demo prints is against them. Two optional arms,
-``fsdp2-fp32`` and ``zero3-fp32`` (``--arms``), train in fp32 as context only. Each arm is its own
+``fsdp2-fp32`` and ``zero3-fp32`` (``--arms``), train in fp32 as context only; ``zero1`` /
+``zero2`` and their ``+sdpq`` arms run DeepSpeed ZeRO-1 / ZeRO-2 instead (their cross-node
+bytes from the process-group meter in both arms: plain ZeRO-1/2 runs DeepSpeed's own
+collectives, which sdpq's statistics never see). Each arm is its own
 ``torchrun`` job of ``python -m sdpq.train`` (so no framework state leaks between arms). Prints
 one table, writes ``loss.png`` and ``results.json`` (one record per arm) under ``--out``
 (default ``runs/demo``).
@@ -47,13 +50,20 @@ FULL: dict[str, dict] = {
 }
 
 
+# ZeRO-1/2: the defaults, with DeepSpeed's own fp32 master ("native", the default there: sdpq's MCF
+# master needs DeepSpeed's bf16 master-weights mode, which stages 1-2 run only with CPU offload),
+# so the parameters start fp32 as in the baseline.
+FULL_ZERO12: dict[str, dict] = {"weights": {}, "gradients": {}, "optimizer": {"master": "native"}}
+
+
 @dataclass(frozen=True)
 class Arm:
     backend: str  # "fsdp2" | "deepspeed"
-    sdpq: dict  # the sdpq block
+    sdpq: dict | None  # the sdpq block (None: none, the plain framework)
     bf16: bool  # bf16 parameters (sdpq's MCF master keeps bf16 weights + a bf16 compensation)
     mixed_precision: str | None  # "bf16": bf16 compute policy (python -m sdpq.train --mixed-precision)
     precision: str  # shown in the table
+    zero_stage: int | None = None  # 1 or 2: a DeepSpeed config naming it, bytes from the meter
 
     def train_args(self) -> list[str]:
         return (["--bf16"] if self.bf16 else []) + (
@@ -72,10 +82,19 @@ ARMS = {
     # fp32 parameters and compute: context only, never a ratio's denominator unless labelled so.
     "fsdp2-fp32": Arm("fsdp2", EXACT, False, None, "fp32 (context)"),
     "zero3-fp32": Arm("deepspeed", EXACT, False, None, "fp32 (context)"),
+    "zero1": Arm("deepspeed", None, False, "bf16", "bf16 mixed", zero_stage=1),
+    "zero1+sdpq": Arm("deepspeed", FULL_ZERO12, False, "bf16", "bf16 + sdpq", zero_stage=1),
+    "zero2": Arm("deepspeed", None, False, "bf16", "bf16 mixed", zero_stage=2),
+    "zero2+sdpq": Arm("deepspeed", FULL_ZERO12, False, "bf16", "bf16 + sdpq", zero_stage=2),
 }
 DEFAULT_ARMS = ["fsdp2", "fsdp2+sdpq", "zero3", "zero3+sdpq"]
 # sdpq arm -> (its baseline, its fp32 context arm)
-PAIRS = {"fsdp2+sdpq": ("fsdp2", "fsdp2-fp32"), "zero3+sdpq": ("zero3", "zero3-fp32")}
+PAIRS = {
+    "fsdp2+sdpq": ("fsdp2", "fsdp2-fp32"),
+    "zero3+sdpq": ("zero3", "zero3-fp32"),
+    "zero1+sdpq": ("zero1", None),
+    "zero2+sdpq": ("zero2", None),
+}
 _STEP = re.compile(r"^step\s+(\d+)\s+loss\S*\s+([0-9.]+)")
 
 
@@ -100,7 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=list(ARMS),
         default=DEFAULT_ARMS,
-        help="default: the two bf16 baselines and their sdpq arms; fsdp2-fp32 / zero3-fp32 add fp32 runs as context",
+        help="default: the two bf16 baselines and their sdpq arms; fsdp2-fp32 / zero3-fp32 add fp32 runs as "
+        "context; zero1, zero1+sdpq, zero2, zero2+sdpq: DeepSpeed ZeRO-1 / ZeRO-2",
     )
     p.add_argument("--tail", type=int, default=10, help="final loss = mean of the last N steps")
 
@@ -145,7 +165,14 @@ def arm_command(
         str(out / f"{name}.json"),
     ]
     block = arm.sdpq if block == "arm" else block
-    if block is not None:
+    if arm.zero_stage is not None:  # both arms counted by the meter (plain ZeRO-1/2 is DeepSpeed's own)
+        ds: dict = {"zero_optimization": {"stage": arm.zero_stage}, "bf16": {"enabled": True}}
+        if block is not None:
+            ds["sdpq"] = block
+        cfg = out / f"{name}.ds.json"
+        cfg.write_text(json.dumps(ds))
+        cmd += ["--config", str(cfg), "--count-bytes", "meter"]
+    elif block is not None:
         cfg = out / f"{name}.sdpq.json"
         cfg.write_text(json.dumps(block))
         cmd += ["--config", str(cfg)]
@@ -213,7 +240,10 @@ def _plot(records: list[dict], path: Path) -> None:
 
 
 def _table(records: list[dict], console: Console) -> None:
-    t = Table(title="sdpq demo (train loss = mean of the last steps; bytes and bits from sdpq.stats)")
+    t = Table(
+        title="sdpq demo (train loss = mean of the last steps; bytes and bits from sdpq.stats, ZeRO-1/2 arms' "
+        "bytes from the process-group meter)"
+    )
     cols = [
         "arm",
         "precision",

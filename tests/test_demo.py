@@ -118,3 +118,21 @@ def test_every_arm_trains_the_model_asked_for(tmp_path, capsys):
     assert re.search(
         r"argument --model: invalid choice: 'foo' \(choose from '?gpt'?, '?llama'?\)", capsys.readouterr().err
     )
+
+
+def test_zero2_arms_count_both_runs_with_the_meter(tmp_path):
+    """ZeRO-2 without and with the block (2 ranks as 2 nodes x 1, 3 steps): plain ZeRO-2 runs
+    DeepSpeed's own collectives, so both arms' cross-node bytes come from the process-group meter."""
+    from sdpq.train.run import METER
+
+    argv = ["demo", "--out", str(tmp_path), "--steps", "3", "--d-model", "64", "--n-layer", "2"]
+    rc = main(argv + ["--ranks", "2", "--ranks-per-node", "1", "--arms", "zero2", "zero2+sdpq", "--tail", "2"])
+    assert rc == 0
+    base, ours = json.loads((tmp_path / "results.json").read_text())
+    for name in ("zero2", "zero2+sdpq"):
+        run = json.loads((tmp_path / f"{name}.json").read_text())
+        assert run["extra"]["cross_node_counter"] == METER
+        assert run["extra"]["ds_config"]["zero_optimization"]["stage"] == 2
+    assert json.loads((tmp_path / "zero2+sdpq.json").read_text())["extra"]["sdpq"] is not None
+    assert 0 < ours["cross_node_bytes_per_step"] < 0.25 * base["cross_node_bytes_per_step"]
+    assert abs(ours["final_loss"] / base["final_loss"] - 1) < 0.05

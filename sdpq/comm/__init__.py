@@ -14,13 +14,16 @@
   (unquantized) collectives sdpq's own run on, for baselines and small bookkeeping exchanges.
 - `stats`: bytes per link class and path, sampled errors (`CommStats`; read them through
   `sdpq.stats`).
+- `link_bytes.LinkBytes`: an independent meter of what every process-group collective sends
+  across the (simulated) node boundary, whoever calls it; it reads none of `stats`. Benchmarks,
+  tests and `python -m sdpq.train --count-bytes meter` count with it.
 """
 
 from . import stats as stats  # the implementation module; read the figures through sdpq.stats
 from ._exchange import all_gather_flat, all_gather_rows, group_device, reduce_scatter_flat
 from .allreduce import GradAllReduce
 from .grads import GradReduceScatter
-from .grads_owned import OwnedReduceScatter, Piece
+from .grads_owned import OwnedReduceScatter, Piece, flat_pieces
 from .stats import CommStats
 from .topology import Topology, TopologyError
 from .weights import ReferenceMismatchWarning, WeightGather
@@ -37,6 +40,7 @@ __all__ = [
     "GradAllReduce",
     "OwnedReduceScatter",
     "Piece",
+    "flat_pieces",
     "ReplicaDiffGather",
     "CommStats",
     "all_gather_rows",

@@ -17,6 +17,12 @@ Per call (SUM semantics; the caller divides):
   2. inter-node (`inter_bits`): the node partial of owner n' L + l goes to node n'; the owner
      adds the other nodes' dequantized partials to its own node's, kept exact.
 
+Error feedback (`error_feedback`, opt-in): the inter-node stage's quantization error of each
+row this rank sends is kept per bucket (the caller names it: `key`) and added to that bucket's
+row at the next call, so that over many calls the owner's sums drift from the exact ones by at
+most one call's error. Memory: fp32, the size of this rank's node partial: about 4 / L bytes
+per gradient element of every bucket (L ranks per node), on every rank.
+
 Note (non-finite): a group holding inf/NaN decodes as NaN at its owner (its scale is not
 finite); the sum of an owner's pieces is then NaN where plain DeepSpeed's would be inf or NaN,
 and DeepSpeed's overflow check (fp16) sees it on that owner and skips the step everywhere.
@@ -24,7 +30,7 @@ and DeepSpeed's overflow check (fp16) sees it on that owner and skips the step e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -41,7 +47,7 @@ from ._rng import generator_state, per_rank_generator, restore_generator
 from .stats import CommStats, Recorder
 from .topology import Topology
 
-__all__ = ["Piece", "OwnedReduceScatter"]
+__all__ = ["Piece", "OwnedReduceScatter", "flat_pieces"]
 
 
 class Piece(NamedTuple):
@@ -60,6 +66,11 @@ class _Packing(NamedTuple):
     valid: tuple[int, ...]  # per owner: bucket elements (padding excluded)
     runs: tuple[tuple[Piece, int], ...]  # (piece, its packed offset), owner-major
     total: int
+
+
+def _hashable(k):
+    """A key back from a checkpoint (lists where tuples were)."""
+    return tuple(_hashable(x) for x in k) if isinstance(k, (list, tuple)) else k
 
 
 def _round_up(n: int, a: int) -> int:
@@ -85,6 +96,33 @@ def pack_layout(pieces: Sequence[Piece], world_size: int, align: int) -> _Packin
     return _Packing(tuple(starts), tuple(sizes), valid, tuple(runs), at)
 
 
+def flat_pieces(sizes: Sequence[int], partition_numel: int, cap: int) -> list[tuple[int, int, list[Piece]]]:
+    """A flat buffer of tensors of `sizes` (one after the other from 0; padding after them), cut
+    into equal partitions of `partition_numel`, rank r owning the r-th: -> (start, end, pieces)
+    per window of at most `cap` elements, each piece one tensor's run inside one partition
+    (offsets relative to the window's start). For buffers reduced whole (DeepSpeed's
+    BF16_Optimizer), cut into exchanges of bounded size."""
+    if partition_numel <= 0 or cap <= 0:
+        raise ValueError(f"flat_pieces: partition_numel ({partition_numel}) and cap ({cap}) must be positive")
+    cuts: set[int] = set()
+    at = 0
+    for n in sizes:
+        cuts.update((at, at + n))
+        at += n
+    cuts.update(range(0, at, partition_numel))
+    cuts.update(range(0, at, cap))
+    edges = sorted(cuts)
+    out: list[tuple[int, int, list[Piece]]] = []  # windows: [k cap, (k + 1) cap), the last one shorter
+    for lo, hi in zip(edges, edges[1:]):
+        start = lo // cap * cap
+        if not out or out[-1][0] != start:
+            out.append((start, start, []))
+        pieces = out[-1][2]
+        pieces.append(Piece(lo - start, hi - lo, lo // partition_numel))
+        out[-1] = (start, hi, pieces)
+    return out
+
+
 class OwnedReduceScatter:
     """Every rank calls it collectively with the same bucket size and the same pieces."""
 
@@ -102,8 +140,6 @@ class OwnedReduceScatter:
             raise ValueError(
                 f"OwnedReduceScatter: gradients.mode must be 'two_level' (exact: the plain collective), got {c.mode!r}"
             )
-        if c.error_feedback:
-            raise ValueError("OwnedReduceScatter: gradients.error_feedback is not available for ZeRO-1/2 buckets")
         self.topology = topology
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         scale = SCALE_DTYPES[c.scale_dtype]
@@ -115,6 +151,7 @@ class OwnedReduceScatter:
         self._layouts: dict[tuple, _Packing] = {}
         self._gen: torch.Generator | None = None
         self._itemsize = 2
+        self.residuals: dict[Hashable, torch.Tensor] = {}  # bucket key -> inter-node residual rows
         self.calls = 0
 
     def layout(self, pieces: Sequence[Piece]) -> _Packing:
@@ -126,10 +163,22 @@ class OwnedReduceScatter:
             lay = self._layouts[key] = pack_layout(pieces, self.topology.world_size, self.align)
         return lay
 
-    def __call__(self, bucket: torch.Tensor, pieces: Sequence[Piece]) -> list[tuple[Piece, torch.Tensor]]:
-        """-> [(piece, fp32 sum over ranks of that piece)] for the pieces this rank owns."""
+    def __call__(
+        self,
+        bucket: torch.Tensor,
+        pieces: Sequence[Piece],
+        *,
+        plain_itemsize: int | None = None,
+        key: Hashable | None = None,
+    ) -> list[tuple[Piece, torch.Tensor]]:
+        """-> [(piece, fp32 sum over ranks of that piece)] for the pieces this rank owns.
+        plain_itemsize: bytes per element the plain collective would send (the statistics'
+        baseline; default: the bucket's own dtype). key: names the bucket across calls (the same
+        on every rank); needed with error feedback, whose residual is the bucket's."""
+        if self.config.error_feedback and key is None:
+            raise ValueError("OwnedReduceScatter: gradients.error_feedback needs a key naming the bucket")
         x = bucket.detach().reshape(-1)
-        self._itemsize = x.element_size()  # the statistics' baseline: the bucket sent as it is
+        self._itemsize = plain_itemsize or x.element_size()
         lay = self.layout(pieces)
         me = self.topology.rank
         with timing.span("grads.reduce_scatter"):
@@ -139,7 +188,7 @@ class OwnedReduceScatter:
             if self.block > 1 and lay.total:
                 packed = _hadamard(packed, self.block, self.config.seed)
             partial = self._intra(packed, lay)
-            total = self._inter(partial, lay)
+            total = self._inter(partial, lay, key)
             if self.block > 1 and total.numel():
                 total = _inverse_hadamard(total, self.block, self.config.seed)
         self.calls += 1
@@ -147,12 +196,20 @@ class OwnedReduceScatter:
         return [(p, total[at - base : at - base + p.numel]) for p, at in lay.runs if p.owner == me]
 
     def state_dict(self) -> dict:
-        """The rounding stream and the call count: what a resumed run needs to continue bitwise."""
-        return {"generator": generator_state(self._gen), "calls": self.calls}
+        """The rounding stream, the call count and the residuals: what a resumed run needs to
+        continue bitwise."""
+        residuals = [(k, r.clone()) for k, r in self.residuals.items()]
+        return {"generator": generator_state(self._gen), "calls": self.calls, "residuals": residuals}
 
     def load_state_dict(self, state: dict) -> None:
         self._gen = restore_generator(self._gen, state["generator"], self.device)
         self.calls = int(state["calls"])
+        self.residuals = {_hashable(k): r.to(self.device) for k, r in state.get("residuals", [])}
+
+    def held_tensors(self):
+        """(kind, tensor) of what this exchange keeps between calls (sdpq.memory)."""
+        for r in self.residuals.values():
+            yield "error_feedback", r
 
     # ------------------------------------------------------------------ stages
 
@@ -164,21 +221,38 @@ class OwnedReduceScatter:
         return self._gen
 
     def _exchange(
-        self, rows: list[torch.Tensor], own_index: int, spec: QuantSpec, group, link: str, elems: int
+        self,
+        rows: list[torch.Tensor],
+        own_index: int,
+        spec: QuantSpec,
+        group,
+        link: str,
+        elems: int,
+        feedback: list[torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Send rows[j] (fp32) to group rank j, quantized; return own row + the dequantized rows
         received: the fp32 sum of what every member sent here. elems: bucket elements leaving
-        this rank (padding excluded), for the statistics' baseline."""
+        this rank (padding excluded), for the statistics' baseline. feedback[j]: row j's residual,
+        added before quantizing and replaced by the new error."""
         k = len(rows)
         n_own = rows[own_index].numel()
         gen = self._generator(rows[own_index].device)
         with timing.span("grads.encode"):
-            wires = [
-                torch.empty(0, dtype=torch.uint8, device=r.device)
-                if j == own_index or r.numel() == 0
-                else encode_rows(r.view(1, -1), spec, generator=gen)[0].view(-1)
-                for j, r in enumerate(rows)
-            ]
+            wires = []
+            for j, r in enumerate(rows):
+                res = None if feedback is None else feedback[j]
+                if j == own_index or r.numel() == 0:
+                    wires.append(torch.empty(0, dtype=torch.uint8, device=r.device))
+                    continue
+                if res is not None:
+                    r = r + res
+                wire, _, bad = encode_rows(r.view(1, -1), spec, generator=gen)
+                wires.append(wire.view(-1))
+                if res is not None:
+                    deq = decode_rows(wire, spec, r.numel(), torch.empty(1, r.numel(), device=r.device))
+                    torch.sub(r, deq.view(-1), out=res)
+                    if bool(bad):  # an overflowing step is skipped: carry no inf/NaN forward
+                        res.zero_()
         recv_bytes = 0 if n_own == 0 else spec.wire_bytes(n_own)
         out_splits = [0 if j == own_index else recv_bytes for j in range(k)]
         inp = torch.cat(wires)
@@ -210,7 +284,7 @@ class OwnedReduceScatter:
         elems = sum(lay.valid[n * L + lp] for n in range(nodes) for lp in range(L) if lp != l)
         return self._exchange([row(lp) for lp in range(L)], l, self.intra_spec, topo.intra_group, "intra", elems)
 
-    def _inter(self, partial: torch.Tensor, lay: _Packing) -> torch.Tensor:
+    def _inter(self, partial: torch.Tensor, lay: _Packing, key: Hashable | None) -> torch.Tensor:
         """Node partial of owners {n' L + l} -> the owner's total (this rank's packed pieces)."""
         topo = self.topology
         L, nodes, l, node = topo.ranks_per_node, topo.nodes, topo.local_rank, topo.node
@@ -220,4 +294,12 @@ class OwnedReduceScatter:
         if nodes == 1:
             return rows[0]
         elems = sum(lay.valid[n * L + l] for n in range(nodes) if n != node)
-        return self._exchange(rows, node, self.inter_spec, topo.inter_group, "inter", elems)
+        feedback = None
+        if self.config.error_feedback:
+            # Note: one buffer per bucket holding every row (the own row's part stays unused: it
+            # is summed exactly); rebuilt zero if the bucket's layout changed.
+            res = self.residuals.get(key)
+            if res is None or res.numel() != partial.numel():
+                res = self.residuals[key] = torch.zeros(partial.numel(), dtype=torch.float32, device=partial.device)
+            feedback = [None if n == node else res[offsets[n] : offsets[n] + sizes[n]] for n in range(nodes)]
+        return self._exchange(rows, node, self.inter_spec, topo.inter_group, "inter", elems, feedback)

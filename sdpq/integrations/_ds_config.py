@@ -177,19 +177,11 @@ def _check_zero12(ds: dict, zero: Mapping, cfg: Config, stage: int) -> Config:
         refuse.append("zero_optimization.offload_optimizer (offloaded ZeRO-1/2 is not supported with the block yet)")
     if zero.get("contiguous_gradients") is False:
         refuse.append("zero_optimization.contiguous_gradients false (sdpq reduces the contiguous gradient buckets)")
-    accum = str((ds.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
-    if stage == 1 and accum in ("fp32", "float32", "torch.float32"):
-        refuse.append(
-            "data_types.grad_accum_dtype fp32 at stage 1 (DeepSpeed then runs its BF16_Optimizer, which sdpq does "
-            "not hook; use stage 2, where fp32 accumulation works with the block)"
-        )
     if cfg.weights.mode == "direct":
         refuse.append(
             'sdpq.weights.mode "direct" (with ZeRO-1/2 every rank holds the weights, so "diff" needs no '
             'reference and sends fewer bits: use "diff" or "exact")'
         )
-    if cfg.gradients.error_feedback:
-        refuse.append("sdpq.gradients.error_feedback (not available for ZeRO-1/2's owner buckets yet)")
     if refuse:
         raise IncompatibleConfigError(f'the "sdpq" block with {where}: {refuse[0]}')
     raw = (ds.get("sdpq") or {}).get("optimizer") or {}

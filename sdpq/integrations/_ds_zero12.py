@@ -1,22 +1,13 @@
-"""The hooks that route DeepSpeed ZeRO-1/2's collectives through sdpq.comm (see deepspeed.py).
+"""sdpq's state for one DeepSpeed ZeRO-1/2 engine: when gathers are exact, checkpoints, statistics.
 
-What is patched, and why there (DeepSpeed 0.19.8, `DeepSpeedZeroOptimizer`):
+How each of DeepSpeed's ZeRO-1/2 optimizers is hooked (DeepSpeedZeroOptimizer; BF16_Optimizer
+at stage 1 with fp32 gradient accumulation) is in _ds_zero12_internals.py, the one file that
+names DeepSpeed's private attributes. This adapter owns the collectives the hooks call:
 
-- gradients: `average_tensor(tensor, dtype)` (per instance) reduces every gradient bucket, at
-  the accumulation boundary (ZeRO-1) or every micro-step (ZeRO-2), with overlap_comm on or off,
-  and for a parameter larger than the bucket alone. Its contract: on return, the pieces of
-  `tensor` this rank owns hold the average over the data-parallel group (the rest is not read),
-  and with fp32 gradient accumulation the compact fp32 partition buffer has them added. The
-  owners are computed as DeepSpeed does (`param_to_partition_ids`, `grad_start_offset`), the
-  pieces go through an `OwnedReduceScatter`, the fp32 sums are divided once by the group size.
-- weights: `_optimizer_step(i)` (per instance) keeps the rank's bf16 partition of group i as it
-  was before the step (the step overwrites it) and checks, when due, that every rank holds the
-  same weights; `step()` then calls the module-level `all_gather_dp_groups`, replaced by a
-  dispatcher that runs a `ReplicaDiffGather` per group for this optimizer's flat groups after
-  its own step, and DeepSpeed's function otherwise (other engines, `update_lp_params` after a
-  checkpoint load: exact, as plain DeepSpeed).
-- exact gathers: when a check finds the replicas differ (the first step, every
-  `verify_every`), every `resync_every` versions, and after `mark_weights_changed()`.
+- gradients: an `OwnedReduceScatter` (the hooks pass each bucket's pieces with their owners);
+- weights: a `ReplicaDiffGather` per parameter group, exact when a check finds the replicas
+  differ (the first step, every `verify_every`), every `resync_every` versions, and after
+  `mark_weights_changed()`.
 
 Note (invariant): with `"mode": "exact"` for a path, that path's DeepSpeed code runs untouched,
 so `{"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}}` trains bitwise as plain ZeRO.
@@ -25,41 +16,48 @@ so `{"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}}` trains bitwi
 from __future__ import annotations
 
 import warnings
-import weakref
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, OwnedReduceScatter, Piece, ReplicaDiffGather, Topology
+from ..comm import CommStats, OwnedReduceScatter, ReplicaDiffGather, Topology
 from ..comm.agreement import check_agreement
 from ..comm.device import comm_device
 from ..comm.reference_health import ReferenceMismatchWarning
 from ..comm.stats import process_stats, register_holder
 from ..comm.weights_replicated import replicas_agree
 from ..config import Config
-from ..quant import true_div
 from ._ds_checkpoint import agree_on_problems, state_path, wrap_engine
 from ._ds_monitor import install_monitor
+from ._ds_zero12_internals import hooks_for
 
 __all__ = ["Zero12Adapter"]
 
 _FORMAT = 1
-_ADAPTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(bit16_groups_flat) -> adapter
 
 
 class Zero12Adapter:
     """sdpq's state for one ZeRO-1/2 engine (``engine.sdpq``). Built by ``sdpq.deepspeed.initialize``."""
 
     def __init__(self, engine, config: Config):
+        from ._ds_config import IncompatibleConfigError
+
         self.engine, self.config = engine, config
-        self.optimizer = opt = engine.optimizer
+        self.optimizer = engine.optimizer
         self.stats = CommStats(config=config.stats, parent=process_stats())
         self.topology = Topology.build(config.topology)
-        self._check(opt)
+        hooks = hooks_for(engine, self)
+        if hooks is None:
+            raise IncompatibleConfigError(
+                f'the "sdpq" block with ZeRO-1/2 needs DeepSpeed\'s DeepSpeedZeroOptimizer or BF16_Optimizer; '
+                f"the engine has {type(engine.optimizer).__name__}"
+            )
+        self.hooks = hooks
+        self._check()
         # Note: every rank must build the same collectives; one agreement collective at start-up
         # (a rank that disagrees fails here, with the same error on every rank, not in a hook).
-        check_agreement("sdpq.deepspeed (ZeRO-1/2)", self._shaping_settings(opt), self.topology.world_group)
+        check_agreement("sdpq.deepspeed (ZeRO-1/2)", self._shaping_settings(), self.topology.world_group)
         self.grads = (
             None
             if config.gradients.mode == "exact"
@@ -68,19 +66,14 @@ class Zero12Adapter:
             )
         )
         self.weights: dict[int, ReplicaDiffGather] = {}
-        self._old: dict[int, torch.Tensor] = {}  # group -> own partition before this step
         self._exact_next: set[int] = set()
         self._steps = 0
-        self._undo: list = []
-        self._orig: dict = {}  # name -> the optimizer's own method
+        self._undo: list[Callable[[], object]] = []
         try:
             if self.grads is not None:
-                self._patch(opt, "average_tensor", self._average_tensor)
+                hooks.hook_gradients()
             if config.weights.mode == "diff":
-                self._patch(opt, "_optimizer_step", self._optimizer_step)
-                _install_dispatcher()
-                _ADAPTERS[id(opt.bit16_groups_flat)] = self
-                self._undo.append(lambda: _ADAPTERS.pop(id(opt.bit16_groups_flat), None))
+                hooks.hook_weights()
             self._install_engine()
             install_monitor(self)
             engine.sdpq = self
@@ -93,11 +86,12 @@ class Zero12Adapter:
     def mark_weights_changed(self) -> None:
         """The weights changed outside the optimizer step on some rank: the next gather of every
         group is exact. Call on every rank."""
-        self._exact_next.update(range(len(self.optimizer.bit16_groups)))
+        self._exact_next.update(range(len(self.hooks.flat_groups())))
 
     def held_tensors(self):
-        """(kind, tensor) of everything sdpq keeps between steps (sdpq.memory): nothing."""
-        return iter(())
+        """(kind, tensor) of everything sdpq keeps between steps (sdpq.memory): nothing, or with
+        `gradients.error_feedback` the residuals."""
+        return iter(()) if self.grads is None else self.grads.held_tensors()
 
     def remove(self) -> None:
         """Undo every hook (DeepSpeed behaves as if sdpq was never installed). Idempotent."""
@@ -106,128 +100,89 @@ class Zero12Adapter:
         if getattr(self.engine, "sdpq", None) is self:
             del self.engine.sdpq
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ what the hooks call
 
-    def _check(self, opt) -> None:
-        from ._ds_config import IncompatibleConfigError
-
-        world = self.topology.world_size
-        groups = list(opt.real_dp_process_group)
-        if any(dist.get_world_size(g) != world for g in groups) or getattr(opt, "has_moe_layers", False):
-            raise IncompatibleConfigError(
-                'the "sdpq" block with ZeRO-1/2 needs data parallelism over all ranks (no tensor, pipeline or '
-                "sequence parallel group, no MoE expert groups)"
-            )
-        if not opt.contiguous_gradients:
-            raise IncompatibleConfigError(
-                'the "sdpq" block with ZeRO-1/2 reduces the contiguous gradient buckets: remove '
-                "zero_optimization.contiguous_gradients false"
-            )
-        if opt.cpu_offload:
-            raise IncompatibleConfigError(
-                'zero_optimization.offload_optimizer with ZeRO-1/2 and the "sdpq" block is not supported'
-            )
-
-    def _shaping_settings(self, opt) -> dict:
-        """What every rank must hold alike: the config, the layout, the partitions and the
-        settings that cut gradient buckets."""
-        return {
-            "config": self.config.to_dict(),
-            "layout": self.topology.layout,
-            "partitions": [int(p[0].numel()) for p in opt.parallel_partitioned_bit16_groups],
-            "buckets": {n: str(getattr(opt, n, None)) for n in ("reduce_bucket_size", "allgather_bucket_size")},
-        }
-
-    def _patch(self, obj, name: str, fn) -> None:
-        """obj.name = fn on the instance (the class's method is back once the attribute goes)."""
-        self._orig[name] = getattr(obj, name)
+    def patch(self, obj, name: str, fn):
+        """obj.name = fn on the instance (the class's method is back once the attribute goes);
+        -> what obj.name was."""
+        orig = getattr(obj, name)
         setattr(obj, name, fn)
         self._undo.append(lambda: obj.__dict__.pop(name, None))
+        return orig
 
-    # ------------------------------------------------------------------ gradients
+    def on_remove(self, fn: Callable[[], object]) -> None:
+        self._undo.append(fn)
 
-    def _pieces(self, tensor: torch.Tensor, dtype) -> dict[Piece, tuple[int, int]]:
-        """The bucket's pieces (with their owners, as DeepSpeed's average_tensor cuts them) ->
-        (parameter group, parameter id) of each, in bucket order."""
-        opt = self.optimizer
-        bucket = opt.ipg_buckets[dtype]
-        pieces: dict[Piece, tuple[int, int]] = {}
-        at = 0
-        for i, idx, param_id in bucket.params:
-            numel = opt.bit16_groups[i][idx].numel()
-            starts = sorted(
-                (opt.grad_start_offset[i][pid][param_id], pid) for pid in opt.param_to_partition_ids[i][param_id]
-            )
-            for k, (off, pid) in enumerate(starts):
-                end = starts[k + 1][0] if k + 1 < len(starts) else numel
-                pieces[Piece(at + off, end - off, pid)] = (i, param_id)
-            at += numel
-        if at != tensor.numel():
-            raise RuntimeError(f"sdpq ZeRO-1/2: the bucket holds {tensor.numel()} elements, its parameters {at}")
-        return pieces
+    def count_step(self) -> None:
+        """An optimizer step that will gather (once per step, before its groups' gathers)."""
+        self._steps += 1
 
-    def _average_tensor(self, tensor: torch.Tensor, communication_data_type) -> None:
-        opt = self.optimizer
-        assert self.grads is not None
-        pieces = self._pieces(tensor, communication_data_type)
-        div = self.topology.world_size / float(getattr(opt, "sequence_parallel_size", 1))
-        for piece, total in self.grads(tensor, list(pieces)):
-            avg = true_div(total, div) if opt.gradient_average else total
-            tensor.narrow(0, piece.offset, piece.numel).copy_(avg)
-            i, param_id = pieces[piece]
-            out = opt._get_compact_grad_partition_slice(i, piece.owner, param_id, piece.numel)
-            if out is not None:  # fp32 gradient accumulation: the fp32 average, before any rounding
-                out.add_(avg.to(out.dtype))
-        if opt.overlap_comm and tensor.is_cuda:  # DeepSpeed's copies that follow run on its reduction stream
-            opt.reduction_stream.wait_stream(torch.cuda.current_stream())
-
-    # ------------------------------------------------------------------ weights
-
-    def _optimizer_step(self, i: int) -> None:
-        opt = self.optimizer
-        if i == 0:
-            self._steps += 1
+    def prepare_gather(self, i: int) -> None:
+        """Before group i's step changes any weights: is this step's gather exact? (collective
+        when a check is due: every rank calls it at the same point)."""
         wc = self.config.weights
         due = self._steps == 1 or (wc.verify_every and self._steps % wc.verify_every == 0)
-        if due and not replicas_agree(opt.bit16_groups_flat[i], self.topology.world_group):
+        if due and not replicas_agree(self.hooks.flat_groups()[i], self.topology.world_group):
             if self._steps > 1:
                 warnings.warn(
                     f"sdpq ZeRO-1/2: the ranks' weights of parameter group {i} differ at step {self._steps} "
                     "(changed outside the optimizer on some ranks?); this step's gather is exact",
                     ReferenceMismatchWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             self._exact_next.add(i)
         if wc.resync_every and self._steps % wc.resync_every == 0:
             self._exact_next.add(i)
-        rank = dist.get_rank(group=opt.real_dp_process_group[i])
-        self._old[i] = opt.parallel_partitioned_bit16_groups[i][rank].detach().clone()
-        self._orig["_optimizer_step"](i)
+
+    def gather(self, i: int, own_old: torch.Tensor) -> None:
+        """In place of DeepSpeed's all-gather of group i: every rank's flat weights move to the
+        owners' new masters (own_old: this rank's partition as it was before the step)."""
+        flat, master = self.hooks.flat_groups()[i], self.hooks.master(i)
+        self._weight_gather(i).gather(flat, own_old, master, exact=i in self._exact_next)
+        self._exact_next.discard(i)
+
+    # ------------------------------------------------------------------ setup
+
+    def _check(self) -> None:
+        from ._ds_config import IncompatibleConfigError
+
+        world = self.topology.world_size
+        if any(dist.get_world_size(g) != world for g in self.hooks.dp_groups()) or getattr(
+            self.optimizer, "has_moe_layers", False
+        ):
+            raise IncompatibleConfigError(
+                'the "sdpq" block with ZeRO-1/2 needs data parallelism over all ranks (no tensor, pipeline or '
+                "sequence parallel group, no MoE expert groups)"
+            )
+        problems = self.hooks.problems()
+        if problems:
+            raise IncompatibleConfigError(f'the "sdpq" block with ZeRO-1/2: {problems[0]} is not supported')
+
+    def _shaping_settings(self) -> dict:
+        """What every rank must hold alike: the config, the layout, the partitions and the
+        settings that cut gradient buckets."""
+        n = len(self.hooks.flat_groups())
+        return {
+            "config": self.config.to_dict(),
+            "layout": self.topology.layout,
+            "optimizer": type(self.optimizer).__name__,
+            "partitions": [int(self.hooks.own_partition(i).numel()) for i in range(n)],
+            "buckets": self.hooks.bucket_settings(),
+        }
 
     def _weight_gather(self, i: int) -> ReplicaDiffGather:
         rg = self.weights.get(i)
         if rg is None:
-            opt = self.optimizer
-            rank = dist.get_rank(group=opt.real_dp_process_group[i])
             rg = self.weights[i] = ReplicaDiffGather(
-                opt.parallel_partitioned_bit16_groups[i][rank].numel(),
+                self.hooks.own_partition(i).numel(),
                 self.topology,
                 self.config.weights,
-                max_elements=int(opt.allgather_bucket_size),
+                max_elements=int(self.optimizer.allgather_bucket_size),
                 device=self.engine.device,
                 stats=self.config.stats,
                 record_to=self.stats,
             )
         return rg
-
-    def _gather(self) -> None:
-        """In place of all_gather_dp_groups after this optimizer's step."""
-        opt = self.optimizer
-        for i, flat in enumerate(opt.bit16_groups_flat):
-            master = opt.single_partition_of_fp32_groups[i]
-            rg = self._weight_gather(i)
-            rg.gather(flat, self._old.pop(i), master, exact=i in self._exact_next)
-            self._exact_next.discard(i)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -282,25 +237,6 @@ class Zero12Adapter:
 
     def _state_path(self, ckpt_dir: str) -> str:
         return state_path(ckpt_dir, self.topology.rank)
-
-
-def _install_dispatcher() -> None:
-    """Replace stage_1_and_2.all_gather_dp_groups by a dispatcher (once per process): this
-    module's adapters take the gathers that follow their own step, DeepSpeed the rest."""
-    from deepspeed.runtime.zero import stage_1_and_2 as mod
-
-    if getattr(mod.all_gather_dp_groups, "__sdpq_original__", None) is not None:
-        return
-    original = mod.all_gather_dp_groups
-
-    def all_gather_dp_groups(groups_flat, *args: Any, **kwargs: Any):
-        adapter = _ADAPTERS.get(id(groups_flat))
-        if adapter is None or len(adapter._old) != len(groups_flat):  # not after its own step
-            return original(groups_flat, *args, **kwargs)
-        return adapter._gather()
-
-    all_gather_dp_groups.__sdpq_original__ = original  # type: ignore[attr-defined]
-    mod.all_gather_dp_groups = all_gather_dp_groups
 
 
 def _engine_stats(engine: object) -> CommStats | None:

@@ -20,7 +20,8 @@ A section left out of the block takes its defaults (the full method); switch a p
 also save / restore sdpq's per-rank state (``sdpq_rank*.pt`` in the tag directory), so a
 resumed run continues bit for bit.
 
-ZeRO stages 1 and 2 (``Zero12Adapter``, _ds_zero12.py): every rank holds the full weights, so
+ZeRO stages 1 and 2 (``Zero12Adapter``, _ds_zero12.py; DeepSpeed's two ZeRO-1/2 optimizers are hooked in
+_ds_zero12_internals.py): every rank holds the full weights, so
 the weight path needs no reference: each owner sends 4-bit differences between its new master
 partition and the weights everyone holds (``sdpq.comm.ReplicaDiffGather``); each gradient bucket
 goes to the owners of its pieces through the two-level quantized exchange
@@ -182,17 +183,11 @@ def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
         result = ds_initialize(**a)
     engine = result[0]
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
         DeepSpeedAdapter(engine, cfg)
-    elif type(engine.optimizer) is DeepSpeedZeroOptimizer:
+    else:  # stages 1-2: DeepSpeedZeroOptimizer or BF16_Optimizer (anything else is refused there)
         Zero12Adapter(engine, cfg)
-    else:
-        raise IncompatibleConfigError(
-            f'the "sdpq" block needs DeepSpeed\'s ZeRO-1/2 or ZeRO-3 optimizer; the engine has '
-            f"{type(engine.optimizer).__name__}"
-        )
     return result
 
 

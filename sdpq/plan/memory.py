@@ -153,18 +153,22 @@ def _zero3(units: Sequence[Sequence[Shape]], world: int, nodes: int, arm: Arm, p
     return out
 
 
-def _zero12(units: Sequence[Sequence[Shape]], world: int, stage: int, arm: Arm) -> dict:
+def _zero12(units: Sequence[Sequence[Shape]], nodes: int, per_node: int, stage: int, arm: Arm) -> dict:
+    world = nodes * per_node
     total = sum(math.prod(s) for shapes in units for s in shapes)
     padded = -(-total // (2 * world)) * 2 * world  # DeepSpeed's alignment of the flat group
     part = padded // world
     _, states = _optimizer((part,), arm.sdpq)
+    g = arm.sdpq.gradients if arm.sdpq is not None else None
+    # error feedback: each bucket's node partial in fp32 (pieces padded to whole groups: not planned)
+    ef = 4 * -(-total // per_node) if g is not None and g.mode != "exact" and g.error_feedback and nodes > 1 else 0
     return {
         "parameters": 2 * padded,
         "gradients": 2 * (total if stage == 1 else part),
         "master": 4 * part,
         "optimizer_states": states,
         "weight_reference": 0,
-        "error_feedback": 0,
+        "error_feedback": ef,
     }
 
 
@@ -175,9 +179,9 @@ def rank_memory(
     bytes). `units`: the parameter shapes of every FSDP module (a block, the root's own)."""
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework {framework!r}; allowed: {', '.join(FRAMEWORKS)}")
-    world = nodes * per_node
     if framework in ("zero1", "zero2"):
-        return _zero12(units, world, int(framework[-1]), arm)
+        return _zero12(units, nodes, per_node, int(framework[-1]), arm)
+    world = nodes * per_node
     if framework == "zero3":
         return _zero3(units, world, nodes, arm, per_node)
     if framework == "hsdp":  # sharded on the node's L ranks; nothing is gathered across nodes

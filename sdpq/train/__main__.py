@@ -134,10 +134,11 @@ def _output(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--count-bytes",
-        choices=["exact", "off"],
+        choices=["exact", "meter", "off"],
         default="exact",
         help="without an sdpq block: 'exact' counts cross-node bytes with sdpq's exact collectives (bitwise the "
-        "framework's own); 'off' runs the framework alone and records 'not counted'",
+        "framework's own); 'off' runs the framework alone and records 'not counted'; 'meter' (deepspeed "
+        "backend, with or without a block): a meter on every process-group collective (plain ZeRO-1/2)",
     )
     # The deepspeed launcher appends --local_rank=N; the environment (LOCAL_RANK) says the same.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -1,11 +1,13 @@
-"""DeepSpeed ZeRO-3 training backend: `train(spec) -> RunResult` on an initialised process group.
+"""DeepSpeed training backend (ZeRO-3, or the stage the config names): `train(spec) -> RunResult`
+on an initialised process group.
 
 Builds the spec's model (same init on every rank) and trains it with `sdpq.deepspeed.initialize` on
 `spec.deepspeed` (a --config file as written, with the flags' overrides: sdpq.train.settings) or,
 without one, a DeepSpeed config built from the spec (ZeRO-3, AdamW, gradient clipping and
 accumulation, bf16 if asked, `spec.sdpq` as the "sdpq" block). Without a block it is plain
 DeepSpeed, or with spec.count_bytes "exact" sdpq's exact collectives (bitwise DeepSpeed's own)
-so that the run counts its cross-node bytes. Batches and the loss accumulators live on the
+so that the run counts its cross-node bytes (ZeRO-3; "meter" counts any stage, with or without a
+block, at the process groups). Batches and the loss accumulators live on the
 compute device (sdpq.launch.env.compute_device). Checkpoints are DeepSpeed's own `engine.save_checkpoint` /
 `load_checkpoint` (which carry sdpq's per-rank state). Batches are a pure function of
 (seed, micro-step, rank), so a resumed run sees exactly the tokens of the uninterrupted one.
@@ -29,12 +31,14 @@ from ..launch.env import compute_device
 from .data import TokenData
 from .model import model_from_config
 from .run import (
+    METER,
     TORCH_COLLECTIVES,
     RunResult,
     RunSpec,
     digest,
     gather_comm,
     gather_step_timing,
+    link_meter,
     lr_at,
     median_step_seconds,
     memory_tracking,
@@ -117,7 +121,12 @@ def run_config(spec: RunSpec, recorded: dict) -> tuple[dict, str | None]:
     cfg = json.loads(json.dumps(recorded))
     block = cfg.get("sdpq")
     counter = "sdpq.stats"
-    if not block:
+    if spec.count_bytes == "meter":  # every collective, whoever runs it: with or without a block
+        counter = METER
+        if not block:
+            cfg.pop("sdpq", None)
+            return cfg, counter
+    elif not block:
         cfg.pop("sdpq", None)
         stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
         # Note: ZeRO-1/2's exact mode is DeepSpeed's own code path, which sdpq does not count.
@@ -133,7 +142,7 @@ def run_config(spec: RunSpec, recorded: dict) -> tuple[dict, str | None]:
     if topology.get("ranks_per_node", "auto") == "auto":
         topology["ranks_per_node"] = spec.ranks_per_node
     cfg["sdpq"] = dict(block, topology=topology)
-    if not Config.from_dict(cfg["sdpq"]).stats.enabled:
+    if counter != METER and not Config.from_dict(cfg["sdpq"]).stats.enabled:
         return cfg, None
     return cfg, counter
 
@@ -149,7 +158,9 @@ def optimizer_bytes_per_param(engine, device: torch.device | None = None) -> flo
     if hasattr(zopt, "fp32_partitioned_groups_flat"):  # ZeRO-3
         masters = list(zopt.fp32_partitioned_groups_flat)
         weights = [t for t in zopt.fp16_partitioned_groups_flat if t is not None]
-    else:  # ZeRO-1/2
+    elif hasattr(zopt, "fp32_groups_flat_partition"):  # ZeRO-1 with fp32 accumulation (BF16_Optimizer)
+        masters, weights = list(zopt.fp32_groups_flat_partition), list(zopt.bf16_groups_flat)
+    else:  # ZeRO-1/2 (DeepSpeedZeroOptimizer)
         masters, weights = list(zopt.single_partition_of_fp32_groups), list(zopt.bit16_groups_flat)
 
     class _View:  # ZeRO-3 swaps its flat partitions into param_groups only inside step()
@@ -287,14 +298,14 @@ def _train(
     adapter = sdpq_ds.get_adapter(engine)
     start = _resume(spec, engine)
     comm_stats.reset()
-    with memory_tracking(spec, engine) as memory:  # ZeRO-3's gradient partitions persist
+    with memory_tracking(spec, engine) as memory, link_meter(spec) as meter:  # ZeRO-3's gradient partitions persist
         local, times, spans = _run_steps(spec, engine, data, start, rank, device, schedule="scheduler" not in config)
     summed = local.nan_to_num(0.0)
     dist.all_reduce(summed)  # one collective for the whole loss curve
     curve = (summed / world).tolist()
     losses = [curve[s] if s >= start else float("nan") for s in range(spec.steps)]
     # Statistics of the training steps only (evaluation gathers come after).
-    comm, inter = gather_comm(world)
+    comm, inter = gather_comm(world, meter)
 
     engine.eval()
     val = validation_loss(engine, data, spec, rank, world, device)

@@ -74,7 +74,9 @@ class RunSpec:
     # Without an sdpq block: "exact" counts cross-node bytes with sdpq's exact collectives
     # (bitwise the framework's own, see settings.EXACT); "off" runs the framework alone ("not
     # counted"). python -m sdpq.train defaults to "exact"; library callers keep the plain framework.
-    count_bytes: Literal["exact", "off"] = "off"
+    # "meter" (deepspeed backend): the process-group meter counts, with or without a block (plain
+    # ZeRO-1/2 runs DeepSpeed's own collectives, which sdpq's statistics never see).
+    count_bytes: Literal["exact", "meter", "off"] = "off"
     # The DeepSpeed config to run as it is (a --config file with its overrides; deepspeed backend
     # only); None = the one deepspeed_backend.ds_config builds from this spec.
     deepspeed: dict[str, Any] | None = None
@@ -84,8 +86,13 @@ class RunSpec:
             raise ValueError(f"RunSpec.backend: {self.backend!r}; allowed: 'fsdp2', 'deepspeed', 'ddp'")
         if self.accumulation not in ("no_sync", "defer_all_reduce"):
             raise ValueError(f"RunSpec.accumulation: {self.accumulation!r}; allowed: 'no_sync', 'defer_all_reduce'")
-        if self.count_bytes not in ("exact", "off"):
-            raise ValueError(f"RunSpec.count_bytes: {self.count_bytes!r}; allowed: 'exact', 'off'")
+        if self.count_bytes not in ("exact", "meter", "off"):
+            raise ValueError(f"RunSpec.count_bytes: {self.count_bytes!r}; allowed: 'exact', 'meter', 'off'")
+        if self.count_bytes == "meter" and self.backend != "deepspeed":
+            raise ValueError(
+                f"RunSpec.count_bytes 'meter' is for backend 'deepspeed' (got {self.backend!r}); FSDP2 and DDP "
+                "count with 'exact'"
+            )
         if self.deepspeed is not None and self.backend != "deepspeed":
             raise ValueError("RunSpec.deepspeed: a DeepSpeed config is for backend 'deepspeed'")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -171,9 +178,26 @@ TORCH_COLLECTIVES = (
 )
 
 
-def gather_comm(world: int) -> tuple[dict, int]:
+METER = "process-group meter (sdpq.comm.link_bytes)"
+
+
+@contextlib.contextmanager
+def link_meter(spec: RunSpec):
+    """With spec.count_bytes "meter": the process-group byte meter, counting every collective
+    of every caller while the block runs (yielded); else None."""
+    if spec.count_bytes != "meter":
+        yield None
+        return
+    from ..comm.link_bytes import LinkBytes
+
+    with LinkBytes(int(spec.ranks_per_node)) as meter:
+        yield meter
+
+
+def gather_comm(world: int, meter=None) -> tuple[dict, int]:
     """Every rank's process-wide sdpq counters: ({"total": summed over ranks, "per_rank": [...]},
-    the bytes all ranks sent across nodes). Collective."""
+    the bytes all ranks sent across nodes). With a `link_meter`, the cross-node bytes are the
+    meter's (its totals under "meter"). Collective."""
     import torch.distributed as dist
 
     from ..comm import stats as comm_stats
@@ -182,7 +206,16 @@ def gather_comm(world: int) -> tuple[dict, int]:
     dist.all_gather_object(per_rank, comm_stats.process_stats().as_dict())
     total = comm_stats.sum_over_ranks(per_rank)
     inter = sum(links.get("inter", {}).get("bytes", 0) for links in total.values())
-    return {"total": total, "per_rank": per_rank}, inter
+    out: dict[str, Any] = {"total": total, "per_rank": per_rank}
+    if meter is not None:
+        from ..comm.link_bytes import sum_over_ranks
+
+        metered: list = [None] * world
+        dist.all_gather_object(metered, meter.as_dict())
+        links_total = sum_over_ranks(metered)["total"]
+        out["meter"] = links_total
+        inter = sum(links.get("inter", {}).get("bytes", 0) for links in links_total.values())
+    return out, inter
 
 
 @contextlib.contextmanager

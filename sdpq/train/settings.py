@@ -55,6 +55,8 @@ _DEFAULT = RunSpec()
 # torch.optim.AdamW's defaults: what DeepSpeed builds (torch_adam) from an optimizer block
 # that leaves a parameter out.
 _ADAMW_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2}
+# The optimizer a DeepSpeed file without one gets: sdpq.train's AdamW, as torch's (DeepSpeed's
+# fused Adam is a JIT build on first use, as in the config ds_config builds from a spec).
 _DEFAULT_OPTIMIZER = {
     "type": "AdamW",
     "params": {
@@ -62,6 +64,7 @@ _DEFAULT_OPTIMIZER = {
         "betas": list(_DEFAULT.betas),
         "eps": _DEFAULT.eps,
         "weight_decay": _DEFAULT.weight_decay,
+        "torch_adam": True,
     },
 }
 _MISSING = object()

@@ -5,7 +5,7 @@ import torch
 from comm_reference import all_inputs, check_bound, two_level_bound
 
 from sdpq.comm import CommStats, OwnedReduceScatter, Piece, Topology
-from sdpq.comm.grads_owned import pack_layout
+from sdpq.comm.grads_owned import flat_pieces, pack_layout
 from sdpq.config import GradientsConfig
 from sdpq.quant import hadamard
 
@@ -107,6 +107,45 @@ def _zero_piece_case(ctx):
     return [(p, v.clone()) for p, v in ors(x, pieces)]
 
 
+def _feedback_case(ctx, ef: bool, calls: int):
+    """The same bucket reduced `calls` times (nearest rounding, so each call's error repeats):
+    -> the norm of (sum of the owner's outputs - calls x the exact sums), per call count."""
+    topo = Topology.build(ctx.ranks_per_node)
+    ors = OwnedReduceScatter(topo, GradientsConfig(rounding="nearest", error_feedback=ef), record_to=CommStats())
+    inputs = all_inputs(ctx.world_size, 3000, "normal", 6)
+    pieces = _pieces("all", 3000, ctx.world_size)
+    exact = inputs.double().sum(0)
+    acc: dict = {}
+    errs = []
+    for k in range(1, calls + 1):
+        for p, v in ors(inputs[ctx.rank].clone(), pieces, key="bucket"):
+            acc[p] = acc.get(p, 0) + v.double()
+        errs.append(sum(float((acc[p] - k * exact[p.offset : p.offset + p.numel]).norm() ** 2) for p in acc) ** 0.5)
+    held = sum(t.numel() for _, t in ors.held_tensors())
+    state = ors.state_dict()
+    twin = OwnedReduceScatter(topo, ors.config, record_to=CommStats())
+    twin.load_state_dict(state)
+    again = [v for _, v in ors(inputs[ctx.rank].clone(), pieces, key="bucket")]
+    same = [v for _, v in twin(inputs[ctx.rank].clone(), pieces, key="bucket")]
+    return errs, held, all(torch.equal(a, b) for a, b in zip(again, same))
+
+
+def test_error_feedback_keeps_the_inter_node_error_from_accumulating(dist):
+    """2 nodes x 1 (the inter-node stage alone): without feedback 8 calls' sums carry 8 times one
+    call's error; with it, the residual carries each call's error into the next, and the total
+    stays within about one call's error. The residual is one bucket's node partial, and a
+    reloaded state continues bitwise."""
+    plain = dist.run(_feedback_case, 2, 1, False, 8)
+    fed = dist.run(_feedback_case, 2, 1, True, 8)
+    for (e0, held0, _), (e1, held1, same) in zip(plain, fed):
+        assert e0[-1] > 7 * e0[0] > 0  # deterministic rounding: the error repeats
+        assert e1[-1] <= 1.5 * e1[0], e1
+        assert held0 == 0 and held1 > 0 and same
+    with pytest.raises(ValueError, match="key"):
+        topo = Topology(world_size=1, ranks_per_node=1, rank=0)
+        OwnedReduceScatter(topo, GradientsConfig(error_feedback=True))(torch.zeros(8), [Piece(0, 8, 0)])
+
+
 def test_exact_mode_is_refused():
     """ZeRO-1/2's exact mode is DeepSpeed's own reduction; this class is the quantized one."""
     with pytest.raises(ValueError, match="two_level"):
@@ -119,3 +158,23 @@ def test_pack_layout_aligns_every_piece():
     assert [at for _, at in lay.runs] == [0, 256, 384] and lay.total == 512
     with pytest.raises(ValueError, match="owner"):
         pack_layout([Piece(0, 5, 2)], 2, 128)
+
+
+@pytest.mark.parametrize("cap", [1, 6, 7, 100])
+def test_flat_pieces_cover_the_buffer_once_each_piece_one_tensor_one_owner(cap):
+    """A flat fp32 gradient buffer (DeepSpeed's BF16_Optimizer): tensors of sizes 5, 0, 7, 3 and
+    padding to 2 partitions of 8, reduced in windows of at most `cap` elements."""
+    sizes, P = [5, 0, 7, 3], 8
+    bounds = [0, 5, 5, 12, 15]
+    windows = flat_pieces(sizes, P, cap)
+    covered = []
+    for a, b, pieces in windows:
+        assert 0 < b - a <= cap and sum(p.numel for p in pieces) == b - a
+        for p in pieces:
+            lo, hi = a + p.offset, a + p.offset + p.numel
+            covered.extend(range(lo, hi))
+            assert p.owner == lo // P == (hi - 1) // P, "one owner per piece"
+            assert sum(lo >= t and hi <= u for t, u in zip(bounds, bounds[1:]) if u > t) == 1, "one tensor per piece"
+    assert covered == list(range(15))
+    with pytest.raises(ValueError, match="cap"):
+        flat_pieces(sizes, P, 0)

@@ -1,6 +1,6 @@
 """Shared pieces of the framework tests (Hugging Face Trainer, Accelerate, Lightning): a tiny
 GPT-2 built from a config (no downloads), a byte-level dataset, the DeepSpeed config file a user
-would have, and an independent byte meter (benchmarks/zeropp/bytes.py wraps ProcessGroup)."""
+would have, and an independent byte meter (sdpq/comm/link_bytes.py wraps ProcessGroup)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def samples(n: int) -> list[dict]:
 
 
 def meter(ranks_per_node: int):
-    from benchmarks.zeropp.bytes import LinkBytes
+    from sdpq.comm.link_bytes import LinkBytes
 
     return LinkBytes(ranks_per_node)
 

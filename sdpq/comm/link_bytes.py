@@ -24,14 +24,13 @@ simulated node boundary) and ``inter`` otherwise. Collectives are filed by kind:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LinkBytes", "PATH_OF", "training_window", "sum_over_ranks"]
+__all__ = ["LinkBytes", "PATH_OF", "sum_over_ranks"]
 
 # ProcessGroup method -> path. Names are torch 2.13's (all_gather_single & co. were _allgather_base).
 PATH_OF = {
@@ -169,13 +168,13 @@ class LinkBytes:
                 if kwargs:  # torch 2.13's distributed_c10d passes everything positionally
                     raise RuntimeError(
                         f"LinkBytes: ProcessGroup.{name} called with keyword arguments "
-                        f"{sorted(kwargs)}; benchmarks/zeropp/bytes.py:_sends reads positions"
+                        f"{sorted(kwargs)}; sdpq/comm/link_bytes.py:_sends reads positions"
                     )
                 counter._record(name, pg, args)
             return orig(pg, *args, **kwargs)
 
         wrapper.__name__ = name
-        wrapper.__wrapped__ = orig
+        wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
         return wrapper
 
     # -------------------------------------------------------------- accounting
@@ -240,40 +239,3 @@ def sum_over_ranks(per_rank: list[dict]) -> dict:
                     steps[i].setdefault(path, {}).setdefault(link, 0)
                     steps[i][path][link] += b
     return {"total": total, "steps": steps}
-
-
-@contextlib.contextmanager
-def training_window(counter: LinkBytes, steps: int):
-    """Count only DeepSpeed training steps: the window opens at the first forward of an engine in
-    train mode and closes after the optimizer step that makes ``engine.global_steps == steps``;
-    every optimizer step (gradient-accumulation boundary) is a ``counter.snapshot()``. Engine
-    construction, evaluation and result gathering stay outside. Patches ``DeepSpeedEngine``'s
-    ``forward`` and ``step`` for the duration."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    fwd, stp = DeepSpeedEngine.forward, DeepSpeedEngine.step
-    state = {"open": False, "done": False}
-    counter.enabled = False
-
-    def forward(self, *args, **kwargs):
-        if self.module.training and not state["open"] and not state["done"]:
-            state["open"] = True
-            counter.enabled = True
-        return fwd(self, *args, **kwargs)
-
-    def step(self, *args, **kwargs):
-        before = self.global_steps
-        out = stp(self, *args, **kwargs)
-        if state["open"] and self.global_steps != before:
-            counter.snapshot()
-            if self.global_steps >= steps:
-                state["open"], state["done"] = False, True
-                counter.enabled = False
-        return out
-
-    DeepSpeedEngine.forward, DeepSpeedEngine.step = forward, step
-    try:
-        yield state
-    finally:
-        DeepSpeedEngine.forward, DeepSpeedEngine.step = fwd, stp
-        counter.enabled = False

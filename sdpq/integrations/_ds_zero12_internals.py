@@ -1,0 +1,277 @@
+"""Everything sdpq's ZeRO-1/2 adapter touches inside DeepSpeed (tested with 0.19.8).
+
+DeepSpeed builds one of two optimizers at stages 1-2, and each gets a hooks class here:
+
+- `DeepSpeedZeroOptimizer` (stage 2; stage 1 with bf16 or fp16 gradient accumulation):
+  gradients in `average_tensor(tensor, dtype)`, which reduces every contiguous gradient bucket
+  (at the accumulation boundary at stage 1, every micro-step at stage 2, overlap_comm on or
+  off); weights in `_optimizer_step(i)` (keep the rank's partition as it was: the step
+  overwrites it) and the module-level `stage_1_and_2.all_gather_dp_groups` (a dispatcher).
+- `BF16_Optimizer` (stage 1 with `data_types.grad_accum_dtype` fp32): gradients accumulate in
+  one fp32 buffer per parameter group, reduced at the boundary by the engine's
+  `buffered_allreduce_fallback`; the global norm comes from `get_grads_for_norm`; weights in
+  `update_lp_params` (called by `step()`; its other caller, a universal-checkpoint load, keeps
+  DeepSpeed's exact gather).
+
+A DeepSpeed release that renames one of the names used below breaks here, nowhere else
+(docs/zero12.md lists them).
+
+Note (contract of the gradient hooks): on return, the pieces of each partition hold, on the
+partition's owner, the average over the data-parallel group; what other ranks hold there is not
+read by DeepSpeed's step (for BF16_Optimizer: not by the step, whose norm the hook computes from
+the owners' partitions, nor by clipping, which scales every element alike).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Piece, flat_pieces
+from ..quant import true_div
+
+__all__ = ["hooks_for"]
+
+# id(the optimizer's list of flat bf16 groups) -> hooks; the dispatcher's lookup.
+_GATHERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class _Hooks:
+    """What the adapter needs from one DeepSpeed optimizer: where the weights are, and hooks.
+    A subclass names the optimizer's lists of flat bf16 groups, of their N partitions, and of
+    this rank's fp32 master partitions."""
+
+    FLAT: str
+    PARTITIONS: str
+    MASTERS: str
+
+    def __init__(self, engine, adapter):
+        self.engine, self.opt, self.adapter = engine, engine.optimizer, adapter
+
+    def problems(self) -> list[str]:
+        """What this optimizer is configured with that the hooks do not handle (empty: fine)."""
+        return []
+
+    def flat_groups(self) -> list[torch.Tensor]:
+        return getattr(self.opt, self.FLAT)
+
+    def own_partition(self, i: int) -> torch.Tensor:
+        rank = dist.get_rank(group=self.opt.real_dp_process_group[i])
+        return getattr(self.opt, self.PARTITIONS)[i][rank]
+
+    def master(self, i: int) -> torch.Tensor:
+        return getattr(self.opt, self.MASTERS)[i]
+
+    def dp_groups(self) -> list:
+        return list(self.opt.real_dp_process_group)
+
+    def bucket_settings(self) -> dict:
+        return {n: str(getattr(self.opt, n, None)) for n in ("reduce_bucket_size", "allgather_bucket_size")}
+
+    def hook_gradients(self) -> None:
+        raise NotImplementedError
+
+    def hook_weights(self) -> None:
+        raise NotImplementedError
+
+
+class ZeroOptimizerHooks(_Hooks):
+    """DeepSpeedZeroOptimizer."""
+
+    FLAT, PARTITIONS, MASTERS = (
+        "bit16_groups_flat",
+        "parallel_partitioned_bit16_groups",
+        "single_partition_of_fp32_groups",
+    )
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.opt.contiguous_gradients:
+            out.append("zero_optimization.contiguous_gradients false (sdpq reduces the contiguous gradient buckets)")
+        if self.opt.cpu_offload:
+            out.append("zero_optimization.offload_optimizer (offloaded ZeRO-1/2 is not supported with the block yet)")
+        return out
+
+    # ------------------------------------------------------------------ gradients
+
+    def hook_gradients(self) -> None:
+        self._orig_average = self.adapter.patch(self.opt, "average_tensor", self._average_tensor)
+
+    def _pieces(self, tensor: torch.Tensor, dtype) -> dict[Piece, tuple[int, int]]:
+        """The bucket's pieces (with their owners, as DeepSpeed's average_tensor cuts them) ->
+        (parameter group, parameter id) of each, in bucket order."""
+        opt = self.opt
+        pieces: dict[Piece, tuple[int, int]] = {}
+        at = 0
+        for i, idx, param_id in opt.ipg_buckets[dtype].params:
+            numel = opt.bit16_groups[i][idx].numel()
+            starts = sorted(
+                (opt.grad_start_offset[i][pid][param_id], pid) for pid in opt.param_to_partition_ids[i][param_id]
+            )
+            for k, (off, pid) in enumerate(starts):
+                end = starts[k + 1][0] if k + 1 < len(starts) else numel
+                pieces[Piece(at + off, end - off, pid)] = (i, param_id)
+            at += numel
+        if at != tensor.numel():
+            raise RuntimeError(f"sdpq ZeRO-1/2: the bucket holds {tensor.numel()} elements, its parameters {at}")
+        return pieces
+
+    def _average_tensor(self, tensor: torch.Tensor, communication_data_type) -> None:
+        opt = self.opt
+        pieces = self._pieces(tensor, communication_data_type)
+        div = dist.get_world_size(opt.real_dp_process_group[0]) / float(getattr(opt, "sequence_parallel_size", 1))
+        # the bucket's parameters name it (error feedback's residual is the bucket's)
+        key = tuple((i, pid) for i, _, pid in opt.ipg_buckets[communication_data_type].params)
+        for piece, total in self.adapter.grads(tensor, list(pieces), key=key):
+            avg = true_div(total, div) if opt.gradient_average else total
+            tensor.narrow(0, piece.offset, piece.numel).copy_(avg)
+            i, param_id = pieces[piece]
+            out = opt._get_compact_grad_partition_slice(i, piece.owner, param_id, piece.numel)
+            if out is not None:  # fp32 gradient accumulation: the fp32 average, before any rounding
+                out.add_(avg.to(out.dtype))
+        if opt.overlap_comm and tensor.is_cuda:  # DeepSpeed's copies that follow run on its reduction stream
+            opt.reduction_stream.wait_stream(torch.cuda.current_stream())
+
+    # ------------------------------------------------------------------ weights
+
+    def hook_weights(self) -> None:
+        self._old: dict[int, torch.Tensor] = {}  # group -> own partition before this step
+        self._orig_step = self.adapter.patch(self.opt, "_optimizer_step", self._optimizer_step)
+        _install_dispatcher()
+        key = id(self.opt.bit16_groups_flat)
+        _GATHERS[key] = self
+        self.adapter.on_remove(lambda: _GATHERS.pop(key, None))
+
+    def _optimizer_step(self, i: int) -> None:
+        if i == 0:
+            self.adapter.count_step()
+        self.adapter.prepare_gather(i)
+        self._old[i] = self.own_partition(i).detach().clone()
+        self._orig_step(i)
+
+    def _gather_after_step(self, groups_flat, *args: Any, **kwargs: Any) -> bool:
+        """In place of all_gather_dp_groups; False if this call does not follow our own step."""
+        if len(self._old) != len(groups_flat):
+            return False
+        for i in range(len(groups_flat)):
+            self.adapter.gather(i, self._old.pop(i))
+        return True
+
+
+class Bf16OptimizerHooks(_Hooks):
+    """BF16_Optimizer (ZeRO-1 with fp32 gradient accumulation)."""
+
+    FLAT, PARTITIONS, MASTERS = "bf16_groups_flat", "bf16_partitioned_groups", "fp32_groups_flat_partition"
+
+    def problems(self) -> list[str]:
+        if getattr(self.opt, "_uses_muon", False):
+            return ["a Muon optimizer (its own exchange of whole matrices; use AdamW)"]
+        return []
+
+    def bucket_settings(self) -> dict:
+        return {"reduce_bucket_size": str(self._cap()), "allgather_bucket_size": str(self.opt.allgather_bucket_size)}
+
+    # ------------------------------------------------------------------ gradients
+
+    def _cap(self) -> int:
+        """Elements per exchange (the transient buffers scale with it): the config's reduce bucket."""
+        return max(1, int(self.engine.zero_reduce_bucket_size()))
+
+    def hook_gradients(self) -> None:
+        opt = self.opt
+        world = dist.get_world_size(opt.real_dp_process_group[0])
+        self._windows = [
+            flat_pieces([p.numel() for p in params], flat.numel() // world, self._cap())
+            for params, flat in zip(opt.bf16_groups, opt.fp32_groups_gradients_flat)
+        ]
+        self._orig_reduce = self.adapter.patch(self.engine, "buffered_allreduce_fallback", self._reduce)
+        self._orig_norm = self.adapter.patch(opt, "get_grads_for_norm", self._grads_for_norm)
+
+    def _reduce(self, grads=None, elements_per_buffer: int = 500000000) -> None:
+        if grads is not None:  # a caller with its own list: DeepSpeed's reduction
+            return self._orig_reduce(grads=grads, elements_per_buffer=elements_per_buffer)
+        eng, opt = self.engine, self.opt
+        plain_itemsize = torch.empty(0, dtype=eng.communication_data_type).element_size()
+        div = dist.get_world_size(opt.real_dp_process_group[0]) / float(eng.sequence_parallel_size)
+        for i, (flat, windows) in enumerate(zip(opt.fp32_groups_gradients_flat, self._windows)):
+            for a, b, pieces in windows:
+                window = flat[a:b]
+                for piece, total in self.adapter.grads(window, pieces, plain_itemsize=plain_itemsize, key=(i, a)):
+                    avg = true_div(total, div) if eng.gradient_average else total
+                    window.narrow(0, piece.offset, piece.numel).copy_(avg)
+
+    def _grads_for_norm(self, for_clipping: bool = False):
+        """DeepSpeed's norm reads every rank's whole fp32 buffer, which now holds the average only
+        in the rank's own partition: the norm over the owners' partitions instead, as one tensor
+        whose norm is the global one (DeepSpeed then takes the norm of that)."""
+        if for_clipping:
+            return self._orig_norm(for_clipping=True)
+        opt = self.opt
+        parts = [p.float() for p in opt.fp32_groups_gradient_flat_partition]
+        if float(opt.norm_type) == math.inf:
+            local = torch.stack([p.abs().max() if p.numel() else p.new_zeros(()) for p in parts]).max()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=opt.real_dp_process_group[0])
+            return [local.reshape(1)], {}
+        q = float(opt.norm_type)
+        local = torch.stack([p.abs().pow(q).sum() for p in parts]).sum()
+        dist.all_reduce(local, group=opt.real_dp_process_group[0])
+        return [local.pow(1.0 / q).reshape(1)], {}
+
+    # ------------------------------------------------------------------ weights
+
+    def hook_weights(self) -> None:
+        self._in_step = False
+        self._orig_step = self.adapter.patch(self.opt, "step", self._step)
+        self._orig_update = self.adapter.patch(self.opt, "update_lp_params", self._update_lp_params)
+
+    def _step(self, closure=None):
+        self._in_step = True
+        try:
+            return self._orig_step(closure)
+        finally:
+            self._in_step = False
+
+    def _update_lp_params(self) -> None:
+        """After the step (the bf16 partitions still hold last step's weights): the gathers."""
+        if not self._in_step:
+            return self._orig_update()
+        self.adapter.count_step()
+        for i in range(len(self.opt.bf16_groups_flat)):
+            self.adapter.prepare_gather(i)
+            self.adapter.gather(i, self.own_partition(i))
+
+
+def hooks_for(engine, adapter) -> _Hooks | None:
+    """The hooks class for the engine's optimizer; None if it is neither of DeepSpeed's ZeRO-1/2 ones."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    kind = type(engine.optimizer)
+    if kind is DeepSpeedZeroOptimizer:
+        return ZeroOptimizerHooks(engine, adapter)
+    if kind is BF16_Optimizer:
+        return Bf16OptimizerHooks(engine, adapter)
+    return None
+
+
+def _install_dispatcher() -> None:
+    """Replace stage_1_and_2.all_gather_dp_groups by a dispatcher (once per process): the hooks
+    take the gathers that follow their optimizer's own step, DeepSpeed the rest."""
+    from deepspeed.runtime.zero import stage_1_and_2 as mod
+
+    if getattr(mod.all_gather_dp_groups, "__sdpq_original__", None) is not None:
+        return
+    original = mod.all_gather_dp_groups
+
+    def all_gather_dp_groups(groups_flat, *args: Any, **kwargs: Any):
+        hooks = _GATHERS.get(id(groups_flat))
+        if hooks is None or not hooks._gather_after_step(groups_flat):
+            return original(groups_flat, *args, **kwargs)
+        return None
+
+    all_gather_dp_groups.__sdpq_original__ = original  # type: ignore[attr-defined]
+    mod.all_gather_dp_groups = all_gather_dp_groups
