@@ -8,6 +8,7 @@ Arms (same data and initialisation per seed):
   sdpq    the default block: 4-bit weight differences, two-level 8/4-bit gradients, FP8 AdamW
   sdpq3   weights.bits 3, gradients.inter_bits 3
   sdpq2   weights.bits 2, gradients.inter_bits 2
+  sdpq-ef the default block with gradients.error_feedback
 
 Stages: 1, 2, and 1-fp32 (ZeRO-1 with data_types.grad_accum_dtype fp32, where DeepSpeed runs its
 BF16_Optimizer).
@@ -47,6 +48,7 @@ ARMS = {
     "sdpq": {"weights": {"mode": "diff"}},
     "sdpq3": {"weights": {"bits": 3}, "gradients": {"inter_bits": 3}},
     "sdpq2": {"weights": {"bits": 2}, "gradients": {"inter_bits": 2}},
+    "sdpq-ef": {"weights": {"mode": "diff"}, "gradients": {"error_feedback": True}},
 }
 
 

@@ -454,6 +454,7 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     zero12 = load(results_dir, "deepspeed_zero12.json", "benchmarks/deepspeed_zero12.py")
     zero12_low = load(results_dir, "deepspeed_zero12_low_bits.json", "benchmarks/deepspeed_zero12.py")
     zero12_fp32 = load(results_dir, "deepspeed_zero12_fp32_accum.json", "benchmarks/deepspeed_zero12.py")
+    zero12_ef = load(results_dir, "deepspeed_zero12_ef.json", "benchmarks/deepspeed_zero12.py")
     budget = load(results_dir, "kernel_budget.json", "benchmarks/kernel_budget.py")
     speed = load(results_dir, "gpu_speed.json", GPU_SPEED_COMMAND)
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
@@ -486,7 +487,9 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     if zero12_fp32.exists:
         out += results_zero12.zero12_rows(zero12_fp32)
     if zero12_low.exists:
-        out += results_zero12.low_bits_rows(zero12_low)
+        out += results_zero12.variant_rows(zero12_low)
+    if zero12_ef.exists:
+        out += results_zero12.variant_rows(zero12_ef)
     if budget.exists:
         out += results_kernels.budget_rows(budget)
     out += results_kernels.speed_rows(speed, _not_yet_measured)

@@ -1,6 +1,7 @@
 """Headline rows about DeepSpeed ZeRO-1 and ZeRO-2 (for benchmarks/results_page.py), from
 benchmarks/deepspeed_zero12.py: the config with the "sdpq" block against the same config without
-it over three seeds, and the below-four-bits settings on one seed. Standard library only."""
+it over three seeds, and the other settings (below four bits, error feedback) on one seed. Standard
+library only."""
 
 from __future__ import annotations
 
@@ -41,19 +42,28 @@ def zero12_rows(src) -> list:
     return rows
 
 
-def low_bits_rows(src) -> list:
+# arm -> (row key suffix, what the arm changes)
+VARIANTS = {
+    "sdpq3": ("3bit", "3-bit weight differences and inter-node gradients"),
+    "sdpq2": ("2bit", "2-bit weight differences and inter-node gradients"),
+    "sdpq-ef": ("ef", "the default block with error feedback on the inter-node gradients"),
+}
+
+
+def variant_rows(src) -> list:
+    """The other arms (below four bits, error feedback): bytes, with the final loss in the text."""
     where, rows = _where(src), []
     for stage, arms in src.data["summary"].items():
         base = arms["plain"]
-        for arm, bits in (("sdpq3", 3), ("sdpq2", 2)):
+        for arm, (suffix, what) in VARIANTS.items():
             if arm not in arms:
                 continue
             q = arms[arm]
             rows.append(
                 src.row(
-                    f"bytes-zero{stage}-{bits}bit",
-                    f"ZeRO-{stage}, {bits}-bit weight differences and inter-node gradients: cross-node bytes per "
-                    f"step (final loss {q['final_loss_mean']:.4f} vs {base['final_loss_mean']:.4f}; {where})",
+                    f"bytes-zero{stage}-{suffix}",
+                    f"{_label(stage)}, {what}: cross-node bytes per step (final loss "
+                    f"{q['final_loss_mean']:.4f} vs {base['final_loss_mean']:.4f}; {where})",
                     f"{q['bytes_per_step'] / 1e6:.2f} MB",
                     f"{base['bytes_per_step'] / 1e6:.2f} MB",
                     f"{q['bytes_ratio']:.3f}",

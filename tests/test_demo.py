@@ -120,19 +120,27 @@ def test_every_arm_trains_the_model_asked_for(tmp_path, capsys):
     )
 
 
-def test_zero2_arms_count_both_runs_with_the_meter(tmp_path):
-    """ZeRO-2 without and with the block (2 ranks as 2 nodes x 1, 3 steps): plain ZeRO-2 runs
-    DeepSpeed's own collectives, so both arms' cross-node bytes come from the process-group meter."""
+def test_zero2_arm_counts_with_the_meter(tmp_path):
+    """ZeRO-2 with the block (2 ranks as 2 nodes x 1, 3 steps): its bytes, like those of the plain
+    ZeRO-2 arm (DeepSpeed's own collectives, which sdpq's statistics never see), come from the
+    process-group meter (the ratio of the two: tests/integrations/test_deepspeed_zero12.py)."""
     from sdpq.train.run import METER
 
     argv = ["demo", "--out", str(tmp_path), "--steps", "3", "--d-model", "64", "--n-layer", "2"]
-    rc = main(argv + ["--ranks", "2", "--ranks-per-node", "1", "--arms", "zero2", "zero2+sdpq", "--tail", "2"])
-    assert rc == 0
-    base, ours = json.loads((tmp_path / "results.json").read_text())
-    for name in ("zero2", "zero2+sdpq"):
-        run = json.loads((tmp_path / f"{name}.json").read_text())
-        assert run["extra"]["cross_node_counter"] == METER
-        assert run["extra"]["ds_config"]["zero_optimization"]["stage"] == 2
-    assert json.loads((tmp_path / "zero2+sdpq.json").read_text())["extra"]["sdpq"] is not None
-    assert 0 < ours["cross_node_bytes_per_step"] < 0.25 * base["cross_node_bytes_per_step"]
-    assert abs(ours["final_loss"] / base["final_loss"] - 1) < 0.05
+    assert main(argv + ["--ranks", "2", "--ranks-per-node", "1", "--arms", "zero2+sdpq", "--tail", "2"]) == 0
+    (rec,) = json.loads((tmp_path / "results.json").read_text())
+    run = json.loads((tmp_path / "zero2+sdpq.json").read_text())
+    assert run["extra"]["cross_node_counter"] == METER and run["extra"]["sdpq"] is not None
+    assert run["extra"]["ds_config"]["zero_optimization"]["stage"] == 2
+    meter = run["comm"]["meter"]
+    assert rec["cross_node_bytes_per_step"] == sum(v["inter"]["bytes"] for v in meter.values() if "inter" in v) / 3
+    assert meter["gradients"]["inter"]["bytes"] > 0 and meter["weights"]["inter"]["bytes"] > 0
+    cmd = arm_command("zero2", argparse.Namespace(**{**vars(_demo_args()), "out": str(tmp_path)}), tmp_path)
+    assert cmd[cmd.index("--count-bytes") + 1] == "meter"
+    assert "sdpq" not in json.loads((tmp_path / "zero2.ds.json").read_text())
+
+
+def _demo_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args([])
