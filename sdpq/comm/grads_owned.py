@@ -20,8 +20,12 @@ Per call (SUM semantics; the caller divides):
 Error feedback (`error_feedback`, opt-in): the inter-node stage's quantization error of each
 row this rank sends is kept per bucket (the caller names it: `key`) and added to that bucket's
 row at the next call, so that over many calls the owner's sums drift from the exact ones by at
-most one call's error. Memory: fp32, the size of this rank's node partial: about 4 / L bytes
-per gradient element of every bucket (L ranks per node), on every rank.
+most one call's error. Memory: fp32, the rows this rank sends to other nodes: about
+4 (nodes - 1) / (nodes L) bytes per gradient element of every bucket (L ranks per node), on every
+rank. The caller calls `sweep()` once per optimizer step: residuals of buckets that did not
+recur since the last sweep are dropped (buckets regroup when parameters get no gradient). A
+residual carries one call's error of a skipped (overflowing) step, and under fp16 loss scaling
+is in the units of the scale it was made at: both bounded by one call's error.
 
 Note (non-finite): a group holding inf/NaN decodes as NaN at its owner (its scale is not
 finite); the sum of an owner's pieces is then NaN where plain DeepSpeed's would be inf or NaN,
@@ -152,6 +156,7 @@ class OwnedReduceScatter:
         self._gen: torch.Generator | None = None
         self._itemsize = 2
         self.residuals: dict[Hashable, torch.Tensor] = {}  # bucket key -> inter-node residual rows
+        self._used: set = set()  # keys reduced since the last sweep
         self.calls = 0
 
     def layout(self, pieces: Sequence[Piece]) -> _Packing:
@@ -198,13 +203,20 @@ class OwnedReduceScatter:
     def state_dict(self) -> dict:
         """The rounding stream, the call count and the residuals: what a resumed run needs to
         continue bitwise."""
-        residuals = [(k, r.clone()) for k, r in self.residuals.items()]
+        residuals = [(k, r.detach().to("cpu", copy=True)) for k, r in self.residuals.items()]
         return {"generator": generator_state(self._gen), "calls": self.calls, "residuals": residuals}
 
     def load_state_dict(self, state: dict) -> None:
         self._gen = restore_generator(self._gen, state["generator"], self.device)
         self.calls = int(state["calls"])
-        self.residuals = {_hashable(k): r.to(self.device) for k, r in state.get("residuals", [])}
+        self.residuals = {_hashable(k): r.to(self.device, copy=True) for k, r in state.get("residuals", [])}
+        self._used = set()
+
+    def sweep(self) -> None:
+        """Drop the residuals of buckets not reduced since the last sweep (once per step)."""
+        if self._used or self.residuals:
+            self.residuals = {k: r for k, r in self.residuals.items() if k in self._used}
+        self._used = set()
 
     def held_tensors(self):
         """(kind, tensor) of what this exchange keeps between calls (sdpq.memory)."""
@@ -251,8 +263,7 @@ class OwnedReduceScatter:
                 if res is not None:
                     deq = decode_rows(wire, spec, r.numel(), torch.empty(1, r.numel(), device=r.device))
                     torch.sub(r, deq.view(-1), out=res)
-                    if bool(bad):  # an overflowing step is skipped: carry no inf/NaN forward
-                        res.zero_()
+                    res.masked_fill_(bad, 0.0)  # an overflowing step is skipped: carry no inf/NaN
         recv_bytes = 0 if n_own == 0 else spec.wire_bytes(n_own)
         out_splits = [0 if j == own_index else recv_bytes for j in range(k)]
         inp = torch.cat(wires)
@@ -296,10 +307,15 @@ class OwnedReduceScatter:
         elems = sum(lay.valid[n * L + l] for n in range(nodes) if n != node)
         feedback = None
         if self.config.error_feedback:
-            # Note: one buffer per bucket holding every row (the own row's part stays unused: it
-            # is summed exactly); rebuilt zero if the bucket's layout changed.
+            # Note: one buffer per bucket, the rows to other nodes one after the other (the own
+            # row is summed exactly); rebuilt zero if the bucket's layout changed.
+            others = sum(sizes) - sizes[node]
             res = self.residuals.get(key)
-            if res is None or res.numel() != partial.numel():
-                res = self.residuals[key] = torch.zeros(partial.numel(), dtype=torch.float32, device=partial.device)
-            feedback = [None if n == node else res[offsets[n] : offsets[n] + sizes[n]] for n in range(nodes)]
+            if res is None or res.numel() != others:
+                res = self.residuals[key] = torch.zeros(others, dtype=torch.float32, device=partial.device)
+            self._used.add(key)
+            feedback, at = [], 0
+            for n in range(nodes):
+                feedback.append(None if n == node else res[at : at + sizes[n]])
+                at += 0 if n == node else sizes[n]
         return self._exchange(rows, node, self.inter_spec, topo.inter_group, "inter", elems, feedback)

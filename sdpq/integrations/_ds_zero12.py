@@ -113,9 +113,12 @@ class Zero12Adapter:
     def on_remove(self, fn: Callable[[], object]) -> None:
         self._undo.append(fn)
 
-    def count_step(self) -> None:
-        """An optimizer step that will gather (once per step, before its groups' gathers)."""
+    def step_begins(self) -> None:
+        """An optimizer step that goes ahead (once per step, after its gradient reductions and
+        before its groups' gathers)."""
         self._steps += 1
+        if self.grads is not None:
+            self.grads.sweep()
 
     def prepare_gather(self, i: int) -> None:
         """Before group i's step changes any weights: is this step's gather exact? (collective
@@ -156,7 +159,7 @@ class Zero12Adapter:
             )
         problems = self.hooks.problems()
         if problems:
-            raise IncompatibleConfigError(f'the "sdpq" block with ZeRO-1/2: {problems[0]} is not supported')
+            raise IncompatibleConfigError(f'the "sdpq" block with ZeRO-1/2: {problems[0]}')
 
     def _shaping_settings(self) -> dict:
         """What every rank must hold alike: the config, the layout, the partitions and the

@@ -91,15 +91,18 @@ class ZeroOptimizerHooks(_Hooks):
     def problems(self) -> list[str]:
         out = []
         if not self.opt.contiguous_gradients:
-            out.append("zero_optimization.contiguous_gradients false (sdpq reduces the contiguous gradient buckets)")
+            out.append(
+                "zero_optimization.contiguous_gradients false is not supported (sdpq reduces the contiguous buckets)"
+            )
         if self.opt.cpu_offload:
-            out.append("zero_optimization.offload_optimizer (offloaded ZeRO-1/2 is not supported with the block yet)")
+            out.append("zero_optimization.offload_optimizer is not supported with the block at stages 1-2 yet")
         return out
 
     # ------------------------------------------------------------------ gradients
 
     def hook_gradients(self) -> None:
         self._orig_average = self.adapter.patch(self.opt, "average_tensor", self._average_tensor)
+        self._hook_step()  # error feedback's residuals are swept once per step
 
     def _pieces(self, tensor: torch.Tensor, dtype) -> dict[Piece, tuple[int, int]]:
         """The bucket's pieces (with their owners, as DeepSpeed's average_tensor cuts them) ->
@@ -122,6 +125,10 @@ class ZeroOptimizerHooks(_Hooks):
 
     def _average_tensor(self, tensor: torch.Tensor, communication_data_type) -> None:
         opt = self.opt
+        if opt.overlap_comm and tensor.is_cuda:  # the bucket may have been filled on several streams
+            bucket, now = opt.ipg_buckets[communication_data_type], torch.cuda.current_stream()
+            for producer in bucket.copy_streams or {now}:
+                now.wait_stream(producer)
         pieces = self._pieces(tensor, communication_data_type)
         div = dist.get_world_size(opt.real_dp_process_group[0]) / float(getattr(opt, "sequence_parallel_size", 1))
         # the bucket's parameters name it (error feedback's residual is the bucket's)
@@ -139,23 +146,30 @@ class ZeroOptimizerHooks(_Hooks):
     # ------------------------------------------------------------------ weights
 
     def hook_weights(self) -> None:
-        self._old: dict[int, torch.Tensor] = {}  # group -> own partition before this step
-        self._orig_step = self.adapter.patch(self.opt, "_optimizer_step", self._optimizer_step)
+        self._old = {}  # group -> own partition before this step
+        self._hook_step()
         _install_dispatcher()
         key = id(self.opt.bit16_groups_flat)
         _GATHERS[key] = self
         self.adapter.on_remove(lambda: _GATHERS.pop(key, None))
 
+    _old: dict[int, torch.Tensor] | None = None  # with the weight path: own partitions before the step
+
+    def _hook_step(self) -> None:
+        if "_optimizer_step" not in self.opt.__dict__:
+            self._orig_step = self.adapter.patch(self.opt, "_optimizer_step", self._optimizer_step)
+
     def _optimizer_step(self, i: int) -> None:
         if i == 0:
-            self.adapter.count_step()
-        self.adapter.prepare_gather(i)
-        self._old[i] = self.own_partition(i).detach().clone()
+            self.adapter.step_begins()
+        if self._old is not None:
+            self.adapter.prepare_gather(i)
+            self._old[i] = self.own_partition(i).detach().clone()
         self._orig_step(i)
 
     def _gather_after_step(self, groups_flat, *args: Any, **kwargs: Any) -> bool:
         """In place of all_gather_dp_groups; False if this call does not follow our own step."""
-        if len(self._old) != len(groups_flat):
+        if self._old is None or len(self._old) != len(groups_flat):
             return False
         for i in range(len(groups_flat)):
             self.adapter.gather(i, self._old.pop(i))
@@ -169,7 +183,7 @@ class Bf16OptimizerHooks(_Hooks):
 
     def problems(self) -> list[str]:
         if getattr(self.opt, "_uses_muon", False):
-            return ["a Muon optimizer (its own exchange of whole matrices; use AdamW)"]
+            return ["a Muon optimizer is not supported (it exchanges whole matrices itself; use AdamW)"]
         return []
 
     def bucket_settings(self) -> dict:
@@ -211,13 +225,14 @@ class Bf16OptimizerHooks(_Hooks):
         if for_clipping:
             return self._orig_norm(for_clipping=True)
         opt = self.opt
-        parts = [p.float() for p in opt.fp32_groups_gradient_flat_partition]
-        if float(opt.norm_type) == math.inf:
-            local = torch.stack([p.abs().max() if p.numel() else p.new_zeros(()) for p in parts]).max()
+        q = float(opt.norm_type)
+        # Note (memory): vector_norm reduces without a partition-sized temporary.
+        norms = [torch.linalg.vector_norm(p, q, dtype=torch.float32) for p in opt.fp32_groups_gradient_flat_partition]
+        if q == math.inf:
+            local = torch.stack(norms).max()
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=opt.real_dp_process_group[0])
             return [local.reshape(1)], {}
-        q = float(opt.norm_type)
-        local = torch.stack([p.abs().pow(q).sum() for p in parts]).sum()
+        local = torch.stack(norms).pow(q).sum()
         dist.all_reduce(local, group=opt.real_dp_process_group[0])
         return [local.pow(1.0 / q).reshape(1)], {}
 
@@ -239,7 +254,7 @@ class Bf16OptimizerHooks(_Hooks):
         """After the step (the bf16 partitions still hold last step's weights): the gathers."""
         if not self._in_step:
             return self._orig_update()
-        self.adapter.count_step()
+        self.adapter.step_begins()
         for i in range(len(self.opt.bf16_groups_flat)):
             self.adapter.prepare_gather(i)
             self.adapter.gather(i, self.own_partition(i))

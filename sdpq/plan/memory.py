@@ -160,8 +160,9 @@ def _zero12(units: Sequence[Sequence[Shape]], nodes: int, per_node: int, stage: 
     part = padded // world
     _, states = _optimizer((part,), arm.sdpq)
     g = arm.sdpq.gradients if arm.sdpq is not None else None
-    # error feedback: each bucket's node partial in fp32 (pieces padded to whole groups: not planned)
-    ef = 4 * -(-total // per_node) if g is not None and g.mode != "exact" and g.error_feedback and nodes > 1 else 0
+    # error feedback: each bucket's rows to other nodes in fp32 (pieces padded to whole groups: not planned)
+    on = g is not None and g.mode != "exact" and g.error_feedback and nodes > 1
+    ef = 4 * -(-total // per_node) * (nodes - 1) // nodes if on else 0
     return {
         "parameters": 2 * padded,
         "gradients": 2 * (total if stage == 1 else part),

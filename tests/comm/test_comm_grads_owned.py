@@ -127,20 +127,24 @@ def _feedback_case(ctx, ef: bool, calls: int):
     twin.load_state_dict(state)
     again = [v for _, v in ors(inputs[ctx.rank].clone(), pieces, key="bucket")]
     same = [v for _, v in twin(inputs[ctx.rank].clone(), pieces, key="bucket")]
-    return errs, held, all(torch.equal(a, b) for a, b in zip(again, same))
+    ors.sweep()  # "bucket" was reduced since the last sweep: kept; then not: dropped
+    kept = len(ors.residuals)
+    ors.sweep()
+    return errs, held, all(torch.equal(a, b) for a, b in zip(again, same)), (kept, len(ors.residuals))
 
 
 def test_error_feedback_keeps_the_inter_node_error_from_accumulating(dist):
     """2 nodes x 1 (the inter-node stage alone): without feedback 8 calls' sums carry 8 times one
     call's error; with it, the residual carries each call's error into the next, and the total
-    stays within about one call's error. The residual is one bucket's node partial, and a
-    reloaded state continues bitwise."""
+    stays within about one call's error. The residual is one bucket's rows to the other node, a
+    reloaded state continues bitwise, and a sweep drops the residual of a bucket not reduced since
+    the last one."""
     plain = dist.run(_feedback_case, 2, 1, False, 8)
     fed = dist.run(_feedback_case, 2, 1, True, 8)
-    for (e0, held0, _), (e1, held1, same) in zip(plain, fed):
+    for (e0, held0, _, _), (e1, held1, same, swept) in zip(plain, fed):
         assert e0[-1] > 7 * e0[0] > 0  # deterministic rounding: the error repeats
         assert e1[-1] <= 1.5 * e1[0], e1
-        assert held0 == 0 and held1 > 0 and same
+        assert held0 == 0 and held1 > 0 and same and swept == (1, 0)
     with pytest.raises(ValueError, match="key"):
         topo = Topology(world_size=1, ranks_per_node=1, rank=0)
         OwnedReduceScatter(topo, GradientsConfig(error_feedback=True))(torch.zeros(8), [Piece(0, 8, 0)])

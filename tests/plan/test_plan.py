@@ -51,9 +51,9 @@ def test_zero12_memory_and_bytes_are_the_per_parameter_arithmetic(stage):
     assert rows["sdpq"].total / P == pytest.approx(2 + grads + (4 + 2 + 2 * 12 / 128) / N, rel=1e-3)
     assert rows["sdpq"].memory["weight_reference"] == 0 and "ZeRO++ (hpZ+qwZ+qgZ)" not in rows
     assert rows["sdpq"].memory["error_feedback"] == 0
-    units = [[(4096, 4096)]]  # opt-in error feedback: each bucket's node partial, fp32, on every rank
+    units = [[(4096, 4096)]]  # opt-in error feedback: each bucket's rows to other nodes, fp32, on every rank
     ef = Arm("ef", Config.from_dict({"gradients": {"error_feedback": True}}))
-    assert rank_memory(units, fw, 4, 8, ef)["error_feedback"] == 4 * 4096 * 4096 // 8
+    assert rank_memory(units, fw, 4, 8, ef)["error_feedback"] == 4 * 4096 * 4096 // 8 * 3 // 4
     assert rank_memory(units, fw, 1, 8, ef)["error_feedback"] == 0  # one node: nothing crosses
     assert rows["sdpq"].cross_node["total"] / rows["bf16"].cross_node["total"] == pytest.approx(
         (4 + 32 / 2048 + 4.25) / 48, rel=1e-6
