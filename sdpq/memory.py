@@ -1,7 +1,7 @@
 """sdpq.memory: the bytes this rank keeps, by kind, counted from the live objects.
 
     rep = sdpq.memory.report(model, optimizer)   # an FSDP2 or DDP model (with or without sdpq) or
-    print(rep.table())                           # a DeepSpeed ZeRO-3 engine (optimizer: its own)
+    print(rep.table())                           # a DeepSpeed ZeRO engine (optimizer: its own)
 
     with sdpq.memory.transients() as peaks:      # the allocation peak of every sdpq hook
         train_one_step()
@@ -11,13 +11,16 @@ Kinds (bytes of this rank; `per_param` divides by the model's parameter count, a
 
 | kind | what |
 |---|---|
-| parameters | the framework's parameter shards (FSDP2: sharded parameters; ZeRO-3: compute partitions) |
-| gradients | the framework's gradient shards (FSDP2: `.grad`; ZeRO-3: its flat gradient partitions) |
-| master | master weights kept beside the parameters (ZeRO-3's fp32 partitions; sdpq AdamW's MCF compensation) |
+| parameters | the framework's parameters (FSDP2: shards; ZeRO-3: compute partitions; ZeRO-1/2: flat groups) |
+| gradients | the framework's gradients (FSDP2: `.grad`; ZeRO-3: flat partitions; ZeRO-1/2: see below) |
+| master | master weights kept beside the parameters (ZeRO's fp32 partitions; sdpq AdamW's MCF compensation) |
 | optimizer_states | moments and their metadata (FP8 scales, step counters) |
 | weight_reference | sdpq's node-resident weight references (`weights.reference`; none on one node) |
 | error_feedback | sdpq's gradient residuals (`gradients.error_feedback`) |
 | sdpq_buffers | sdpq's other tensors: flags, checksums; HSDP's deferred micro-step sum (fp32) |
+
+ZeRO-1/2's gradients: the parameters' `.grad`, the contiguous reduce buckets, ZeRO-2's gradient
+partition and, with fp32 accumulation (BF16_Optimizer), its fp32 buffer.
 
 A storage shared by several tensors is counted once, in the first kind above that holds it (a
 ZeRO-3 bf16 master aliased to the compute partition is parameters only). What sdpq keeps is
@@ -165,13 +168,32 @@ def _module_report(model: nn.Module, optimizer, ledger: _Ledger) -> int:
     return sum(p.numel() for p in params)
 
 
+# A DeepSpeed optimizer's (compute weights, fp32 master partitions, gradient buffers) attributes:
+# ZeRO-3; ZeRO-1/2 (DeepSpeedZeroOptimizer); ZeRO-1 with fp32 accumulation (BF16_Optimizer).
+_DEEPSPEED_LISTS = (
+    ("fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", ()),
+    ("bit16_groups_flat", "single_partition_of_fp32_groups", ()),
+    ("bf16_groups_flat", "fp32_groups_flat_partition", ("fp32_groups_gradients_flat",)),
+)
+
+
 def _deepspeed_report(engine, ledger: _Ledger) -> int:
     z = engine.optimizer
-    for t in getattr(z, "fp16_partitioned_groups_flat", ()):
+    weights, masters, grad_lists = next((x for x in _DEEPSPEED_LISTS if hasattr(z, x[0])), ("", "", ()))
+    for t in getattr(z, weights, ()):
         ledger.add("parameters", t)
-    grads = getattr(z, "grad_partitions_flat_buffer", None)
-    ledger.add("gradients", grads)
-    for t in getattr(z, "fp32_partitioned_groups_flat", ()):
+    ledger.add("gradients", getattr(z, "grad_partitions_flat_buffer", None))  # ZeRO-3
+    if weights != _DEEPSPEED_LISTS[0][0]:  # ZeRO-1/2
+        ledger.add("gradients", getattr(z, "grads_in_partition", None))  # ZeRO-2's contiguous partition
+        for bucket in getattr(z, "ipg_buckets", {}).values():  # the contiguous reduce buckets
+            for t in bucket.buffer:
+                ledger.add("gradients", t)
+        for name in grad_lists:
+            for t in getattr(z, name, ()):
+                ledger.add("gradients", t)
+        for p in engine.module.parameters():  # the bf16 .grad
+            ledger.add("gradients", p.grad)
+    for t in getattr(z, masters, ()):
         ledger.add("master", t)
         ledger.add("gradients", t.grad)
     ledger.add_all(_optimizer_tensors(getattr(z, "optimizer", None)))
@@ -206,7 +228,7 @@ def live_tensor_bytes(device: torch.device | str | None = None) -> int:
 
 def report(target, optimizer=None, *, transients: TransientPeaks | None = None) -> MemoryReport:
     """What this rank keeps, by kind (see the module docstring). `target`: an FSDP2 or DDP model
-    (sdpq applied or not; pass its `optimizer`) or a DeepSpeed ZeRO-3 engine (its own optimizer is
+    (sdpq applied or not; pass its `optimizer`) or a DeepSpeed ZeRO engine (its own optimizer is
     read). `transients`: what `sdpq.memory.transients()` measured. Not collective."""
     ledger = _Ledger()
     if hasattr(target, "optimizer") and hasattr(target, "module") and hasattr(target.optimizer, "optimizer"):

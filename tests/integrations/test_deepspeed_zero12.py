@@ -13,6 +13,7 @@ from deepspeed_common import TIMEOUT, TINY, fresh_deepspeed  # noqa: E402
 
 import sdpq  # noqa: E402
 import sdpq.integrations.deepspeed as sds  # noqa: E402
+from sdpq.plan import Arm, rank_memory  # noqa: E402
 
 STEPS, ACCUM, MICRO = 6, 2, 4
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
@@ -101,7 +102,10 @@ def _train(ctx, stage: int | str, block: dict | None, seed: int = 0):
     from sdpq.memory import live_tensor_bytes
 
     gc.collect()
+    report = sdpq.memory.report(engine).bytes
     return {
+        "report": report,
+        "shapes": [tuple(p.shape) for p in engine.module.parameters()],
         "losses": losses,
         "cross": cross,
         "prints": _prints(engine),
@@ -167,6 +171,16 @@ def test_the_block_sends_a_fifth_of_the_bytes_and_keeps_replicas_equal(dist, sta
     assert len({r["norm"] for r in ours}) == 1 and abs(ours[0]["norm"] / plain[0]["norm"] - 1) < 0.1
     if stage != "zero1":
         assert max(extra) <= 64 * 1024, extra
+    # sdpq.memory's report of the engine after the run against sdpq plan's figures for this stage,
+    # byte for byte (gradients, whose buffers DeepSpeed sizes from its bucket settings and frees
+    # after the step, are not compared)
+    for block_, runs in ((None, plain), (block, ours)):
+        arm = Arm("x", None if block_ is None else sdpq.Config.from_dict(block_))
+        want = rank_memory([runs[0]["shapes"]], f"zero{KINDS[stage][0]}", 2, 2, arm)
+        for r in runs:
+            got = r["report"]
+            assert all(got[k] == want[k] for k in ("parameters", "master", "optimizer_states")), (got, want)
+            assert got["weight_reference"] == got["error_feedback"] == 0
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero1-fp32-accum"])
