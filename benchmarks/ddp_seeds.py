@@ -26,7 +26,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import convergence_long as cl  # noqa: E402
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks import seed_study  # noqa: E402
 from sdpq.launch.local import run_local  # noqa: E402
 
 WORLD, RPN = 4, 2
@@ -122,35 +121,15 @@ def summarize(runs: dict) -> dict:
     """Per arm: final loss (mean of the last 50 steps) mean and sd over seeds, the paired
     difference to DDP's, bytes per step and their ratio to DDP's fp32 all-reduce."""
     seeds = sorted(runs)
-    base = [cl.final_loss(runs[s]["ddp"]["losses"]) for s in seeds]
-    base_bytes = statistics.mean(runs[s]["ddp"]["meter_cross_node_bytes_per_step"] for s in seeds)
-    out = {}
-    for arm in runs[seeds[0]]:
-        finals = [cl.final_loss(runs[s][arm]["losses"]) for s in seeds]
-        nbytes = statistics.mean(runs[s][arm]["meter_cross_node_bytes_per_step"] for s in seeds)
-        out[arm] = {
-            "final_loss_mean": statistics.mean(finals),
-            "final_loss_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "paired_diff_percent": [100 * (f - b) / b for f, b in zip(finals, base)],
-            "diff_in_baseline_sd": (statistics.mean(finals) - statistics.mean(base)) / statistics.stdev(base)
-            if len(base) > 1
-            else float("nan"),
-            "bytes_per_step": nbytes,
-            "bytes_ratio": nbytes / base_bytes,
-            "replicas_equal_every_step": all(runs[s][arm]["replicas_equal_every_step"] for s in seeds),
-        }
-    return out
+    return {
+        arm: seed_study.against_baseline([runs[s][arm] for s in seeds], [runs[s]["ddp"] for s in seeds])
+        for arm in runs[seeds[0]]
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--arms", default=",".join(ARMS))
-    cl.add_model_arguments(ap)
-    ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ddp_seeds.json"))
+    seed_study.add_arguments(ap, steps=300, arms=ARMS, out="ddp_seeds.json")
     args = ap.parse_args(argv)
     if args.worker:
         worker(*args.worker)
@@ -163,9 +142,7 @@ def main(argv=None) -> int:
         line = ", ".join(f"{a} {cl.final_loss(r['losses']):.4f}" for a, r in runs[seed].items())
         print(f"{TAG} seed {seed}: final loss {line} ({time.time() - t:.0f} s)", flush=True)
     summary = summarize(runs)
-    shown = {k: v for k, v in vars(args).items() if k not in ("worker",)}
-    meta = {"wall_seconds": time.time() - t0, **provenance()}
-    Path(args.out).write_text(json.dumps({"args": shown, "meta": meta, "summary": summary, "runs": runs}, indent=1))
+    seed_study.write(args, t0, summary, runs)
     for arm, s in summary.items():
         mb = s["bytes_per_step"] / 1e6
         print(

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import convergence_long as cl  # noqa: E402
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks import seed_study  # noqa: E402
 from sdpq.launch.local import run_local  # noqa: E402
 
 WORLD, RPN, ACCUM = 4, 2, 2
@@ -170,23 +170,12 @@ def summarize(runs: dict) -> dict:
     seeds = sorted(runs)
     out: dict = {}
     for stage in runs[seeds[0]]:
-        base = [cl.final_loss(runs[s][stage]["plain"]["losses"]) for s in seeds]
-        base_bytes = statistics.mean(runs[s][stage]["plain"]["meter_cross_node_bytes_per_step"] for s in seeds)
+        base = [runs[s][stage]["plain"] for s in seeds]
         out[stage] = {}
         for arm in runs[seeds[0]][stage]:
             r = [runs[s][stage][arm] for s in seeds]
-            finals = [cl.final_loss(x["losses"]) for x in r]
-            nbytes = statistics.mean(x["meter_cross_node_bytes_per_step"] for x in r)
             out[stage][arm] = {
-                "final_loss_mean": statistics.mean(finals),
-                "final_loss_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-                "paired_diff_percent": [100 * (f - b) / b for f, b in zip(finals, base)],
-                "diff_in_baseline_sd": (statistics.mean(finals) - statistics.mean(base)) / statistics.stdev(base)
-                if len(base) > 1
-                else float("nan"),
-                "bytes_per_step": nbytes,
-                "bytes_ratio": nbytes / base_bytes,
-                "replicas_equal_every_step": all(x["replicas_equal_every_step"] for x in r),
+                **seed_study.against_baseline(r, base),
                 "live_bytes_rank0": statistics.mean(x["live_bytes_rank0"] for x in r),
                 "seconds_per_step": statistics.mean(x["seconds"] for x in r) / len(r[0]["losses"]),
             }
@@ -195,14 +184,8 @@ def summarize(runs: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seeds", default="0,1,2")
+    seed_study.add_arguments(ap, steps=200, arms=ARMS, out="deepspeed_zero12.json")
     ap.add_argument("--stages", default="1,2")
-    ap.add_argument("--arms", default=",".join(ARMS))
-    cl.add_model_arguments(ap)
-    ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "deepspeed_zero12.json"))
     args = ap.parse_args(argv)
     if args.worker:
         worker(*args.worker)
@@ -219,9 +202,7 @@ def main(argv=None) -> int:
             line = ", ".join(f"{a} {cl.final_loss(r['losses']):.4f}" for a, r in arms_out.items())
             print(f"{TAG} seed {seed} ZeRO-{stage}: final loss {line} ({time.time() - t:.0f} s)", flush=True)
     summary = summarize(runs)
-    shown = {k: v for k, v in vars(args).items() if k not in ("worker",)}
-    meta = {"wall_seconds": time.time() - t0, **provenance()}
-    Path(args.out).write_text(json.dumps({"args": shown, "meta": meta, "summary": summary, "runs": runs}, indent=1))
+    seed_study.write(args, t0, summary, runs)
     for stage, arms_out in summary.items():
         for arm, s in arms_out.items():
             mb, sd = s["bytes_per_step"] / 1e6, s["diff_in_baseline_sd"]

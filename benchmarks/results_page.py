@@ -476,22 +476,19 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     for reference in references:  # the weight reference's storage on the long-run protocol
         if reference.exists:
             out += _below_four_rows(reference)
-    if plan_check.exists:
-        out += results_memory.measured_rows(plan_check)
-    if memory_table.exists:
-        out += results_memory.planned_rows(memory_table)
-    if ddp.exists:
-        out += results_ddp.ddp_rows(ddp)
-    if zero12.exists:
-        out += results_zero12.zero12_rows(zero12)
-    if zero12_fp32.exists:
-        out += results_zero12.zero12_rows(zero12_fp32)
-    if zero12_low.exists:
-        out += results_zero12.variant_rows(zero12_low)
-    if zero12_ef.exists:
-        out += results_zero12.variant_rows(zero12_ef)
-    if budget.exists:
-        out += results_kernels.budget_rows(budget)
+    optional = (  # (results file, its rows), each left out until its study has run
+        (plan_check, results_memory.measured_rows),
+        (memory_table, results_memory.planned_rows),
+        (ddp, results_ddp.ddp_rows),
+        (zero12, results_zero12.zero12_rows),
+        (zero12_fp32, results_zero12.zero12_rows),
+        (zero12_low, results_zero12.variant_rows),
+        (zero12_ef, results_zero12.variant_rows),
+        (budget, results_kernels.budget_rows),
+    )
+    for src, rows in optional:
+        if src.exists:
+            out += rows(src)
     out += results_kernels.speed_rows(speed, _not_yet_measured)
     return out + _unrecorded_rows()
 

@@ -85,7 +85,8 @@ class ReplicaDiffGather:
             if exact or self.config.mode == "exact":
                 self._exact(rows, own_master)
             else:
-                rows[topo.rank].copy_(own_old.view(-1))
+                if own_old.data_ptr() != rows[topo.rank].data_ptr():  # overwritten since: restore it
+                    rows[topo.rank].copy_(own_old.view(-1))
                 for a in range(0, P, self.slice):
                     self._diff_slice(rows, own_master.view(-1), a, min(P, a + self.slice))
         self.versions += 1
