@@ -9,7 +9,9 @@ PyTorch reference in ``sdpq.quant`` so that kernel and reference agree bitwise:
   approximate reciprocal on GPUs);
 - round-half-to-even is computed from ``floor`` and the exact fractional part (``floor(y + 0.5)``
   is wrong just below 0.5, where ``y + 0.5`` rounds up to 1);
-- the Walsh-Hadamard butterflies pair the same elements in the same order as ``_fwht``.
+- the Walsh-Hadamard butterflies pair the same elements in the same order as ``_fwht``;
+- stochastic rounding is not bitwise the reference (another random stream): it divides by the
+  scale through one reciprocal per group, without the exact correction.
 
 Scales are stored and loaded byte by byte: a row's scale region may start at any byte offset.
 """
@@ -22,19 +24,9 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def log2(x, LIBDEVICE: tl.constexpr):
-    """log2 as torch computes it on the device: CUDA's math library (libdevice) when compiled
-    for a GPU (tl.log2 is the approximate instruction), numpy's in the interpreter."""
-    if LIBDEVICE:
-        y = libdevice.log2(x)
-    else:
-        y = tl.log2(x)
-    return y
-
-
-@triton.jit
 def exp2(x, LIBDEVICE: tl.constexpr):
-    """exp2 as torch computes it on the device (see log2)."""
+    """exp2 as torch computes it on the device: CUDA's math library (libdevice) when compiled for
+    a GPU, numpy's in the interpreter."""
     if LIBDEVICE:
         y = libdevice.exp2(x)
     else:
@@ -56,13 +48,29 @@ def round_half_even(y, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def to_bf16_rne(v, LIBDEVICE: tl.constexpr):
-    """fp32 -> bf16, round to nearest even, NaN as torch's 0x7FC0. Compiled for a GPU: the
-    conversion instruction (its NaN is 0x7FFF, replaced); Triton's interpreter truncates, so
-    there the rounding is spelled out on the bits."""
+def log2_approx(x, LIBDEVICE: tl.constexpr):
+    """log2 from the GPU's approximate instruction (lg2.approx.f32: one MUFU.LG2 and a rescale of
+    subnormal inputs; absolute error below 2^-22) where CUDA's math library spends ~25
+    instructions on a polynomial; numpy's in the interpreter. For values that are rounded to far
+    fewer bits afterwards (an E4M3 code), not where a result must be torch's bits."""
     if LIBDEVICE:
-        nan = tl.full(v.shape, 0x7FC0, tl.int16).to(tl.bfloat16, bitcast=True)
-        return tl.where(v != v, nan, v.to(tl.bfloat16, fp_downcast_rounding="rtne"))
+        y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = tl.log2(x)
+    return y
+
+
+@triton.jit
+def to_bf16_rne(v, LIBDEVICE: tl.constexpr, TORCH_NAN: tl.constexpr = True):
+    """fp32 -> bf16, round to nearest even, NaN as torch's 0x7FC0 (TORCH_NAN; any NaN without it,
+    for values that are only computed with). Compiled for a GPU: the conversion instruction (its
+    NaN is 0x7FFF, replaced); Triton's interpreter truncates, so there the rounding is spelled out
+    on the bits."""
+    if LIBDEVICE:
+        y = v.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        if TORCH_NAN:
+            y = tl.where(v != v, tl.full(v.shape, 0x7FC0, tl.int16).to(tl.bfloat16, bitcast=True), y)
+        return y
     bits = v.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(v != v, 0x7FC0, rounded)
@@ -75,17 +83,34 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def group_scales(v, QMAX: tl.constexpr, SCALE_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """v: fp32 [M, G] -> (scale fp32 [M] rounded to the wire dtype, finite mask [M])."""
-    # Note: a NaN group must get a NaN scale, as torch.amax gives; tl.max drops NaN. Compiled,
-    # one reduction with a NaN-propagating max; Triton's interpreter runs a custom combine in
-    # Python per element (~100x slower than its builtin reductions), so there the NaN is found
-    # by a second, builtin reduction.
+def anchor(x, LIBDEVICE: tl.constexpr):
+    """x, unchanged. Compiled, an opaque copy (an inline-asm move with side effects), which
+    Triton's layout pass may convert but not recompute: without it the pass rebuilt the
+    Walsh-Hadamard butterflies once per layout their consumers prefer (the group absmax, the
+    codes, the own row), and the reduction with them."""
+    if LIBDEVICE:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
+def absmax(v, LIBDEVICE: tl.constexpr):
+    """v: fp32 [M, G] -> each row's largest |v| [M], NaN where the row holds a NaN (as torch.amax).
+    Note: tl.max drops NaN. Compiled, one reduction with a NaN-propagating max; Triton's
+    interpreter runs a custom combine in Python per element (~100x slower than its builtin
+    reductions), so there the NaN is found by a second, builtin reduction."""
     if LIBDEVICE:
         amax = tl.reduce(tl.abs(v), 1, _max_nan)
     else:
         has_nan = tl.max((v != v).to(tl.int32), 1) > 0
         amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(v), 1))
+    return amax
+
+
+@triton.jit
+def group_scales(v, QMAX: tl.constexpr, SCALE_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """v: fp32 [M, G] -> (scale fp32 [M] rounded to the wire dtype, finite mask [M])."""
+    amax = absmax(v, LIBDEVICE)  # a NaN group gets a NaN scale, as torch.amax gives
     s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
     if SCALE_BF16:  # rounded up to bf16 (as sdpq.quant.groupwise): top half of the bits, carried
         s = ((s.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
@@ -95,7 +120,7 @@ def group_scales(v, QMAX: tl.constexpr, SCALE_BF16: tl.constexpr, LIBDEVICE: tl.
 
 
 @triton.jit
-def div_by_group(v, s):
+def div_by_group(v, s, EXACT: tl.constexpr = True):
     """v [M, G] / s [M], correctly rounded (IEEE division, as torch), with one division per group.
 
     Markstein's theorem: with y = RN(1/b) and q within one ulp of a/b, r = a - b q is exact
@@ -112,28 +137,35 @@ def div_by_group(v, s):
     y = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), b)
     a = v * f[:, None]
     q = a * y[:, None]
+    if not EXACT:  # within 1.5 ulp of the quotient: where the rounding that follows is random
+        return q
     r = tl.fma(-q, tl.broadcast_to(b[:, None], v.shape), a)
     return tl.fma(r, tl.broadcast_to(y[:, None], v.shape), q)
 
 
 @triton.jit
-def uniform_tile(seed, c4, M: tl.constexpr, G: tl.constexpr):
-    """[M, G] uniforms in [0, 1) from one Philox call (four draws) per four elements: c4
-    [M, G // 4] holds a distinct counter per run of four (its element's position / 4)."""
-    u0, u1, u2, u3 = tl.rand4x(seed, c4)
-    return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [M, G])
+def uniform_tile(seed, c8, M: tl.constexpr, G: tl.constexpr):
+    """[M, G] uniforms in (0, 1) from one Philox call per eight elements: c8 [M, G // 8] holds a
+    distinct counter per run of eight (its element's position / 8). The call's four 32-bit draws
+    give eight 16-bit halves h, and u = (h + 1/2) / 2^16. Stochastic rounding floor(y + u) then
+    rounds up with probability frac(y) rounded to a multiple of 2^-16: a bias below 2^-17 of a
+    quantization step, of either sign (Philox is ~60 instructions per call: a call per four
+    elements was a quarter of the gradient encode's issue budget)."""
+    r0, r1, r2, r3 = tl.randint4x(seed, c8)
+    h = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [M, G // 8, 2, 2]
+    h = tl.join(h & 0xFFFF, h >> 16)  # uint32: a logical shift
+    return tl.reshape(h.to(tl.float32) * (1.0 / 65536) + (0.5 / 65536), [M, G])
 
 
 @triton.jit
-def quantize_tile(v, s, finite, c4, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, LIBDEVICE: tl.constexpr):
+def quantize_tile(v, s, finite, c8, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, LIBDEVICE: tl.constexpr):
     """fp32 [M, G] values with their group scales -> int32 codes in [-QMAX, QMAX].
-    c4: the stochastic stream's counters, one per four elements [M, G // 4] (see uniform_tile)."""
+    c8: the stochastic stream's counters, one per eight elements [M, G // 8] (see uniform_tile)."""
     safe = tl.where(finite & (s > 0), s, 1.0)
-    y = div_by_group(v, safe)
-    if STOCHASTIC:
-        y = tl.floor(y + uniform_tile(seed, c4, v.shape[0], v.shape[1]))
+    if STOCHASTIC:  # the quotient's last bit moves the odds of rounding up by < 2^-16: not exact
+        y = tl.floor(div_by_group(v, safe, EXACT=False) + uniform_tile(seed, c8, v.shape[0], v.shape[1]))
     else:
-        y = round_half_even(y, LIBDEVICE)
+        y = round_half_even(div_by_group(v, safe), LIBDEVICE)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     y = tl.where(finite[:, None], y, 0.0)
     return y.to(tl.int32)
@@ -221,16 +253,60 @@ def dequantize_tile(codes, s):
 
 
 @triton.jit
-def fwht(x, B: tl.constexpr, LOG2B: tl.constexpr):
-    """Unnormalized Walsh-Hadamard transform of each row of x [M, B] (same butterflies as
-    ``sdpq.quant.hadamard._fwht``: pairs (j, j + h) of every run of 2h become (a + b, a - b),
-    for h = 1, 2, 4, ...).
+def _butterfly_in_thread(x, H: tl.constexpr):
+    """One butterfly stage of stride H (a power of two) on x [M, B]: pairs (j, j + H) of every run
+    of 2H become (a + b, a - b), in place. The pair axis is split out and joined back, which
+    stays in registers while each thread holds 2H neighbours."""
+    M: tl.constexpr = x.shape[0]
+    B: tl.constexpr = x.shape[1]
+    a, b = tl.split(tl.permute(tl.reshape(x, [M, B // (2 * H), 2, H]), [0, 1, 3, 2]))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [M, B])
 
-    Every stage has the same shapes ("constant geometry"): it pairs neighbours, i.e. elements
+
+# Note: the largest Hadamard block whose butterflies take warp shuffles: one warp holds a row of
+# up to 32 lanes x 4 elements. Past it the partner of a stride may live in another warp, and
+# tl.gather then goes through shared memory (compiled for sm_90: 2-4x the instructions of the
+# rotating form, and minutes to compile at 4096).
+SHUFFLE_MAX_BLOCK = tl.constexpr(128)
+
+
+@triton.jit
+def fwht(x, B: tl.constexpr, LOG2B: tl.constexpr):
+    """Unnormalized Walsh-Hadamard transform of each row of x [M, B]: the butterflies of
+    ``sdpq.quant.hadamard._fwht`` (strides 1, 2, 4, ..., pairs (j, j + h) -> (a + b, a - b)),
+    the same operands in the same order, so the same bits."""
+    if B <= SHUFFLE_MAX_BLOCK:
+        x = _fwht_shuffled(x, B, LOG2B)
+    else:
+        x = _fwht_rotating(x, B, LOG2B)
+    return x
+
+
+@triton.jit
+def _fwht_shuffled(x, B: tl.constexpr, LOG2B: tl.constexpr):
+    """Strides 1, 2 and 4 pair neighbours a thread holds (split / join in registers). From stride
+    8 on, the partner j ^ h lives in another lane of the warp: ``tl.gather`` along the row
+    compiles to one warp shuffle per element, and one FMA gives a + b or a - b exactly
+    (x * +-1 is exact): the lower element adds its partner, the upper one is subtracted from it."""
+    IN: tl.constexpr = min(LOG2B, 3)
+    for i in tl.static_range(IN):
+        x = _butterfly_in_thread(x, 1 << i)
+    j = tl.arange(0, B)[None, :]
+    for i in tl.static_range(IN, LOG2B):
+        partner = tl.gather(x, tl.broadcast_to(j ^ (1 << i), x.shape), axis=1)
+        sign = tl.where((j & (1 << i)) == 0, 1.0, -1.0)  # lower: x + partner; upper: partner - x
+        x = tl.fma(x, tl.broadcast_to(sign, x.shape), partner)
+    return x
+
+
+@triton.jit
+def _fwht_rotating(x, B: tl.constexpr, LOG2B: tl.constexpr):
+    """Every stage has the same shapes ("constant geometry"): it pairs neighbours, i.e. elements
     whose positions differ in bit 0, and writes the sums to the first half of the row and the
     differences to the second half, so the positions' bits rotate right by one. Stage i then
     pairs the elements whose original positions differ in bit i (the reference's h = 2^i) with
     the same operands in the same order, and after LOG2B stages every bit is back in place.
+    Compiled, each stage moves the row through shared memory (a barrier pair per stage).
     Note: a per-stage shape [M, B / 2h, 2, h] needs a constexpr h computed in the loop, which
     the interpreter takes but the compiler refuses (a constexpr cannot be reassigned)."""
     M: tl.constexpr = x.shape[0]

@@ -11,7 +11,7 @@ every group size and Hadamard block involved, so groups and blocks never straddl
 The layouts are those of ``sdpq.quant.wire`` (codes, then little-endian scales); the math is
 that of ``sdpq.quant`` step for step (see ``_tile``), so results are bitwise equal to the
 PyTorch reference with nearest rounding. Stochastic rounding draws from Triton's Philox stream
-(``tl.rand4x``, four draws per call), not torch's generator: unbiased as the reference, not the
+(``tl.randint4x``, eight 16-bit draws per call), not torch's generator: unbiased as the reference, not the
 same draws.
 
 Note: "segmented" rows. The gradient reduce-scatter quantizes rows that are concatenations of
@@ -29,6 +29,8 @@ import triton.language as tl
 
 from ._launch import launch, libdevice_for, num_warps, program_index
 from ._tile import (
+    SHUFFLE_MAX_BLOCK,
+    anchor,
     dequantize_tile,
     fwht,
     group_scales,
@@ -44,13 +46,13 @@ __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
 
 
 @triton.jit
-def _store_groups(vg, row_ptr, code_bytes, groups, gmask, c4, seed, flag_ptr,
+def _store_groups(vg, row_ptr, code_bytes, groups, gmask, c8, seed, flag_ptr,
                   G: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
                   SCALE_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
     """Quantize the [groups, G] values vg into a wire row (codes, then scales) and count the
-    groups that held inf/NaN into flag_ptr. c4: the random stream's counters (one per four elements)."""
+    groups that held inf/NaN into flag_ptr. c8: the random stream's counters (one per eight elements)."""
     s, finite = group_scales(vg, QMAX, SCALE_BF16, LIBDEVICE)
-    codes = quantize_tile(vg, s, finite, c4, seed, QMAX, STOCHASTIC, LIBDEVICE)
+    codes = quantize_tile(vg, s, finite, c8, seed, QMAX, STOCHASTIC, LIBDEVICE)
     store_codes(row_ptr, codes, groups, G, BITS, gmask)
     store_scales(row_ptr + code_bytes, s, groups, SCALE_BF16, gmask)
     bad = tl.sum((gmask & ~finite).to(tl.int32))
@@ -105,7 +107,7 @@ def _encode_kernel(
         v = v - tl.load(ref_ptr + r * ref_stride + col, mask=m, other=0.0).to(tl.float32)
     if HB > 1:  # H D v / HB per block of HB (as the reference)
         v = v * (tl.load(signs_ptr + (col % HB)) * (1.0 / HB))  # D / HB: exact, a power of two
-        v = tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB), [TILE])
+        v = anchor(tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB), [TILE]), LIBDEVICE)
     seg = r // P
     if WRITE_OWN:
         if r % P == own_row:
@@ -114,13 +116,13 @@ def _encode_kernel(
     vg = tl.reshape(v, [NG, G])
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
-    # Note: the random stream's counter is the position of the element's run of four modulo
-    # 2^32 (int32, as the fast 32-bit Philox takes it): draws repeat only 2^34 elements apart.
-    c4 = (p * (TILE // 4) + tl.reshape(tl.arange(0, TILE // 4), [NG, G // 4])).to(tl.int32)
+    # Note: the random stream's counter is the position of the element's run of eight modulo
+    # 2^32 (int32, as the fast 32-bit Philox takes it): draws repeat only 2^35 elements apart.
+    c8 = (p * (TILE // 8) + tl.reshape(tl.arange(0, TILE // 8), [NG, G // 8])).to(tl.int32)
     og = seg * tl.cdiv(n, G) + groups  # group index inside the (segmented) output row
     row_ptr = out_ptr + (r % P) * out_stride
     _store_groups(
-        vg, row_ptr, code_bytes, og, gmask, c4, seed, flag_ptr, G, BITS, QMAX, STOCHASTIC, SCALE_BF16, LIBDEVICE
+        vg, row_ptr, code_bytes, og, gmask, c8, seed, flag_ptr, G, BITS, QMAX, STOCHASTIC, SCALE_BF16, LIBDEVICE
     )
 
 
@@ -244,7 +246,7 @@ def _reduce_kernel(
         g2mask = groups2 * G2 < enc_n
         _store_groups(
             vg, enc_ptr + e_row * enc_stride, enc_code_bytes, groups2, g2mask,
-            tl.reshape(t * (TILE // 4) + tl.arange(0, TILE // 4), [NG2, G2 // 4]).to(tl.int32), seed,
+            tl.reshape(t * (TILE // 8) + tl.arange(0, TILE // 8), [NG2, G2 // 8]).to(tl.int32), seed,
             flag_ptr, G2, BITS2, QMAX2, STOCHASTIC, SCALE2_BF16, LIBDEVICE,
         )  # fmt: skip
     else:
@@ -282,7 +284,12 @@ def encode_rows(
     if segments > 1 and n % spec.group_size:
         raise ValueError(f"encode_rows: segmented rows need n ({n}) to be a multiple of the group size")
     hb, signs = hadamard if hadamard is not None else (1, x.new_ones(1, dtype=torch.float32))
-    tile = _tile(n, spec.group_size, hb)
+    # Note: the encode with shuffled Hadamard butterflies takes 32 elements a thread (the others
+    # 16): its per-program work (the flat index's division, the signs, the scales of four
+    # groups a warp) then spreads over twice the elements; 2^20 elements of bf16 gradients:
+    # 70 -> 62 instructions an element on sm_90, where 0.8 of an H100's bandwidth leaves 63.
+    wide = 1 < hb <= SHUFFLE_MAX_BLOCK.value
+    tile = _tile(n, spec.group_size, hb, target=4096 if wide else 2048)
     row_numel = segments * n
     out = torch.empty((P, spec.wire_bytes(row_numel)), dtype=torch.uint8, device=x.device)
     own = torch.empty((segments, n), dtype=torch.float32, device=x.device) if own_row is not None else None
@@ -315,7 +322,7 @@ def encode_rows(
         LOG2HB=int(math.log2(hb)),
         WRITE_OWN=own is not None,
         LIBDEVICE=libdevice_for(x),
-        num_warps=num_warps(tile),
+        num_warps=num_warps(tile, per_warp=1024 if wide else 512),
         **_spec_args(spec),
     )
     return out, own, flag
