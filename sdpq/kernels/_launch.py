@@ -19,7 +19,17 @@ from typing import Any
 import triton
 import triton.language as tl
 
-__all__ = ["GRID_LIMITS", "check_grid", "fp8_hw_for", "launch", "libdevice_for", "num_warps", "program_index"]
+__all__ = [
+    "GRID_LIMITS",
+    "check_grid",
+    "fp8_hw_for",
+    "launch",
+    "libdevice_for",
+    "num_warps",
+    "program_index",
+    "spec_constexprs",
+    "tile_elements",
+]
 
 # CUDA's gridDim limits (x, y, z) on every architecture Triton targets.
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
@@ -41,6 +51,19 @@ def num_warps(tile: int, per_warp: int = 512) -> int:
     block of 4096, the most sdpq.config allows) without spilling registers: the codec with 512
     elements a warp, the AdamW step (two moments decoded and encoded per group) with 256."""
     return max(4, min(16, tile // per_warp))
+
+
+def tile_elements(n: int, *sizes: int, target: int = 2048) -> int:
+    """Elements per program of a row of n: a power of two, a multiple of every group / block
+    size in `sizes` (powers of two), about `target`."""
+    return max(max(sizes), min(target, triton.next_power_of_2(max(n, 1))))
+
+
+def spec_constexprs(spec: Any) -> dict:
+    """The codec kernels' constexprs of a QuantSpec."""
+    import torch
+
+    return dict(G=spec.group_size, BITS=spec.bits, SCALE_BF16=spec.scale_dtype == torch.bfloat16)
 
 
 def libdevice_for(t: Any) -> bool:

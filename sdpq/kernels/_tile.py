@@ -314,3 +314,26 @@ def _fwht_rotating(x, B: tl.constexpr, LOG2B: tl.constexpr):
         a, b = tl.split(tl.reshape(x, [M, B // 2, 2]))
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [M, B])
     return x
+
+
+@triton.jit
+def store_groups(vg, row_ptr, code_bytes, groups, gmask, c8, seed, flag_ptr,
+                  G: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+                  SCALE_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
+    """Quantize the [groups, G] values vg into a wire row (codes, then scales) and count the
+    groups that held inf/NaN into flag_ptr. c8: the random stream's counters (one per eight elements)."""
+    s, finite = group_scales(vg, QMAX, SCALE_BF16, LIBDEVICE)
+    codes = quantize_tile(vg, s, finite, c8, seed, QMAX, STOCHASTIC, LIBDEVICE)
+    store_codes(row_ptr, codes, groups, G, BITS, gmask)
+    store_scales(row_ptr + code_bytes, s, groups, SCALE_BF16, gmask)
+    bad = tl.sum((gmask & ~finite).to(tl.int32))
+    if bad > 0:  # Note: a relaxed atomic, and none at all (no fence) in the common all-finite tile
+        tl.atomic_add(flag_ptr, bad, sem="relaxed")
+
+
+@triton.jit
+def load_groups(row_ptr, code_bytes, groups, gmask, G: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr):
+    """The dequantized [groups, G] values of a wire row."""
+    return dequantize_tile(
+        load_codes(row_ptr, groups, G, BITS, gmask), load_scales(row_ptr + code_bytes, groups, SCALE_BF16, gmask)
+    )

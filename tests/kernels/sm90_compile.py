@@ -30,7 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from sdpq.kernels import adamw, codec  # noqa: E402
+from sdpq.kernels import adamw, codec, codec_reduce  # noqa: E402
 from sdpq.quant import QuantSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -44,11 +44,11 @@ def _record(kernel, grid, *args, **kwargs):
     _launches.append((kernel, args, kwargs))
 
 
-codec.launch = _record  # the wrappers' launches are recorded, not run
+codec.launch = codec_reduce.launch = _record  # the wrappers' launches are recorded, not run
 adamw.launch = _record
 # The tensors are on the CPU, but the kernels are compiled as a GPU runs them: with CUDA's math
 # library and the hardware's rounding instructions (the LIBDEVICE constexpr).
-codec.libdevice_for = adamw.libdevice_for = adamw.fp8_hw_for = lambda t: True
+codec.libdevice_for = codec_reduce.libdevice_for = adamw.libdevice_for = adamw.fp8_hw_for = lambda t: True
 
 
 def _cuobjdump(cubin: bytes, *flags: str) -> str:
@@ -98,7 +98,7 @@ def _moved(name: str, v: dict) -> tuple[int, int, int]:
         elements = v["buf_ptr"].shape[0] * n
         return elements, _nbytes(v["buf_ptr"]) + elements * out.element_size() * (2 if v["ADD"] else 1), v["TILE"]
     if name == "_reduce_kernel":
-        buf, rows, n = v["buf_ptr"], v["rows"], v["n"]
+        buf, rows, n = v["buf_ptr"], v["ROWS"], v["n"]
         moved = _nbytes(buf) * (rows - 1) // rows + 4 * n  # the own row is read from `own`, not the wire
         moved += _nbytes(v["enc_ptr"]) + _nbytes(v["own_out_ptr"]) if v["ENCODE"] else 4 * n
         return n, moved, v["TILE"]
@@ -115,7 +115,8 @@ def _measure(kernel, args, kwargs, budget: bool) -> dict:
     res = dict(_resources(cubin), shared=compiled.metadata.shared, num_warps=options.num_warps)
     cost = sass.cost(_cuobjdump(cubin, "-sass"))
     elements, moved, per_program = _moved(kernel.__name__, values)
-    trips = values["rows"] if kernel.__name__ == "_reduce_kernel" else 0
+    # the reduce's rows past its first chunk run in a loop (sass.py reports its body apart)
+    trips = -(-values["ROWS"] // values["CHUNK"]) if kernel.__name__ == "_reduce_kernel" else 0
     res.update(
         instructions=cost.straight,
         loop_body=cost.loop_body,
@@ -158,6 +159,11 @@ def _spill_cases():
     yield (
         "reduce 4-bit G4096 re-encode G4096",
         lambda: codec.reduce_rows(buf, big4, 8192, own, 0, bad, encode_spec=big4, encode_rows_n=4096, own_seg=0),
+    )
+    rows12 = torch.zeros(12, QuantSpec(8, 128).wire_bytes(8192), dtype=torch.uint8)
+    yield (  # a chunk of 8 rows in flight, then 4 of a second: the row loop
+        "reduce 8-bit 12 rows",
+        lambda: codec.reduce_rows(rows12, QuantSpec(8, 128), 8192, own, 0, bad),
     )
     for bits in (2, 3):  # below four bits: the widest tile, encode with a reference, decode, reduce
         low = QuantSpec(bits, 4096)

@@ -147,7 +147,7 @@ def _wire_rows(R, numel, spec, seed):
     return _encode_rows_ref(torch.randn(R, numel, generator=g).to(DEV), spec, None, 1, None, None, None)[0]
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 4, 11])  # 11: a chunk of 8 rows in flight, then 3 of a second
 @pytest.mark.parametrize("block", [None, 4, 128, 256])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_reduce_inverse_hadamard_bitwise(R, block, bits):
@@ -155,10 +155,11 @@ def test_reduce_inverse_hadamard_bitwise(R, block, bits):
     buf = _wire_rows(R, numel, spec, R)
     own = torch.randn(numel, device=DEV)
     had = (block, 3) if block else None
+    own_row = R - 2  # in the second chunk when R = 11
     for bad in (False, True):
         b = torch.tensor(float("nan") if bad else 0.0, device=DEV).reshape(1)
-        got = codec.reduce_rows(buf, spec, numel, own, 1, b, hadamard=_kernel_signs(had, buf.device))
-        want = _reduce_rows_ref(buf, spec, numel, own, 1, b, had, None, 0, -1, None)
+        got = codec.reduce_rows(buf, spec, numel, own, own_row, b, hadamard=_kernel_signs(had, buf.device))
+        want = _reduce_rows_ref(buf, spec, numel, own, own_row, b, had, None, 0, -1, None)
         assert _same(got, want)
         assert got.isnan().all() == bad
 
