@@ -1,4 +1,5 @@
-"""Where every Triton kernel of sdpq is launched from: one flat grid, checked against CUDA's limits.
+"""Where every Triton kernel of sdpq is launched from: one flat grid, checked against CUDA's limits,
+and the launch geometry (elements per program, warps) and the codec's constexprs.
 
 CUDA caps a grid at 2^31 - 1 programs on its first axis and 65535 on the other two; a launch
 past a cap fails on the GPU with "invalid argument", while Triton's interpreter (the CPU tests)
@@ -49,7 +50,8 @@ def num_warps(tile: int, per_warp: int = 512) -> int:
     """Warps per program for a tile of `tile` elements: one per `per_warp` elements, 4 to 16.
     Compiled for an H100 (sm_90), every kernel then holds its largest tile (a group or Hadamard
     block of 4096, the most sdpq.config allows) without spilling registers: the codec with 512
-    elements a warp, the AdamW step (two moments decoded and encoded per group) with 256."""
+    elements a warp (1024 for the encode with shuffled Hadamard butterflies), the AdamW step
+    (two moments decoded and encoded per group) with 256 (tests/kernels/test_sm90_compile.py)."""
     return max(4, min(16, tile // per_warp))
 
 

@@ -24,11 +24,13 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def exp2(x, LIBDEVICE: tl.constexpr):
-    """exp2 as torch computes it on the device: CUDA's math library (libdevice) when compiled for
-    a GPU, numpy's in the interpreter."""
+def exp2_approx(x, LIBDEVICE: tl.constexpr):
+    """exp2 from the GPU's approximate instruction, subnormal results kept (``ex2.approx.f32``,
+    relative error about 2^-22); numpy's in the interpreter.
+    Note: not CUDA's math library: Triton links it with flush-to-zero on, and a flushed result
+    (the geometric mean of a group below 2^-126) turns the group's metadata into inf and NaN."""
     if LIBDEVICE:
-        y = libdevice.exp2(x)
+        y = tl.inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         y = tl.exp2(x)
     return y
@@ -49,10 +51,11 @@ def round_half_even(y, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def log2_approx(x, LIBDEVICE: tl.constexpr):
-    """log2 from the GPU's approximate instruction (lg2.approx.f32: one MUFU.LG2 and a rescale of
-    subnormal inputs; absolute error below 2^-22) where CUDA's math library spends ~25
-    instructions on a polynomial; numpy's in the interpreter. For values that are rounded to far
-    fewer bits afterwards (an E4M3 code), not where a result must be torch's bits."""
+    """log2 from the GPU's approximate instruction (``lg2.approx.f32``: one MUFU.LG2 and a rescale
+    of subnormal inputs; error below 2^-22 absolute for x in [0.5, 2], 2^-22 of the result
+    elsewhere) where CUDA's math library spends ~25 instructions on a polynomial; numpy's in the
+    interpreter. For values that are rounded to far fewer bits afterwards (an E4M3 code), not
+    where a result must be torch's bits."""
     if LIBDEVICE:
         y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
@@ -83,9 +86,9 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def anchor(x, LIBDEVICE: tl.constexpr):
-    """x, unchanged. Compiled, an opaque copy (an inline-asm move with side effects), which
-    Triton's layout pass may convert but not recompute: without it the pass rebuilt the
+def opaque_copy(x, LIBDEVICE: tl.constexpr):
+    """x, unchanged. Compiled, an inline-asm move with side effects, which Triton's layout pass
+    may convert between layouts but not recompute: without it the pass rebuilt the
     Walsh-Hadamard butterflies once per layout their consumers prefer (the group absmax, the
     codes, the own row), and the reduction with them."""
     if LIBDEVICE:
@@ -148,9 +151,10 @@ def uniform_tile(seed, c8, M: tl.constexpr, G: tl.constexpr):
     """[M, G] uniforms in (0, 1) from one Philox call per eight elements: c8 [M, G // 8] holds a
     distinct counter per run of eight (its element's position / 8). The call's four 32-bit draws
     give eight 16-bit halves h, and u = (h + 1/2) / 2^16. Stochastic rounding floor(y + u) then
-    rounds up with probability frac(y) rounded to a multiple of 2^-16: a bias below 2^-17 of a
-    quantization step, of either sign (Philox is ~60 instructions per call: a call per four
-    elements was a quarter of the gradient encode's issue budget)."""
+    rounds up with probability frac(y) rounded to a multiple of 2^-16 (and y + u rounded to
+    fp32): a bias below 2^-16 of a quantization step, of either sign. (Philox is ~60
+    instructions a call: a call per four elements was a quarter of the gradient encode's
+    issue budget.)"""
     r0, r1, r2, r3 = tl.randint4x(seed, c8)
     h = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [M, G // 8, 2, 2]
     h = tl.join(h & 0xFFFF, h >> 16)  # uint32: a logical shift
@@ -263,8 +267,10 @@ def _butterfly_in_thread(x, H: tl.constexpr):
     return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [M, B])
 
 
-# Note: the largest Hadamard block whose butterflies take warp shuffles: one warp holds a row of
-# up to 32 lanes x 4 elements. Past it the partner of a stride may live in another warp, and
+# Note: the largest Hadamard block whose butterflies take warp shuffles: for the strides from 8 on
+# the compiler lays a row of up to 128 over one warp (32 lanes x 4 elements; strides 1-4 run
+# before that on 8 neighbours a thread holds, one layout conversion between the two). Past
+# 128 the partner of a stride may live in another warp, and
 # tl.gather then goes through shared memory (compiled for sm_90: 2-4x the instructions of the
 # rotating form, and minutes to compile at 4096).
 SHUFFLE_MAX_BLOCK = tl.constexpr(128)
@@ -288,11 +294,11 @@ def _fwht_shuffled(x, B: tl.constexpr, LOG2B: tl.constexpr):
     8 on, the partner j ^ h lives in another lane of the warp: ``tl.gather`` along the row
     compiles to one warp shuffle per element, and one FMA gives a + b or a - b exactly
     (x * +-1 is exact): the lower element adds its partner, the upper one is subtracted from it."""
-    IN: tl.constexpr = min(LOG2B, 3)
-    for i in tl.static_range(IN):
+    IN_THREAD: tl.constexpr = min(LOG2B, 3)
+    for i in tl.static_range(IN_THREAD):
         x = _butterfly_in_thread(x, 1 << i)
     j = tl.arange(0, B)[None, :]
-    for i in tl.static_range(IN, LOG2B):
+    for i in tl.static_range(IN_THREAD, LOG2B):
         partner = tl.gather(x, tl.broadcast_to(j ^ (1 << i), x.shape), axis=1)
         sign = tl.where((j & (1 << i)) == 0, 1.0, -1.0)  # lower: x + partner; upper: partner - x
         x = tl.fma(x, tl.broadcast_to(sign, x.shape), partner)

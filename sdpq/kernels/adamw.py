@@ -7,13 +7,14 @@ fresh expansion metadata, then Grow the bf16 pair (w, lo) by -step_size m / (sqr
 ``sdpq.optim.adamw`` makes ~30 passes.
 
 The formulas are ``sdpq.quant.fp8`` and ``sdpq.quant.mcf`` step for step, with IEEE division and
-square root. Compiled for a GPU, log2 is the approximate instruction (``_tile.log2_approx``,
-absolute error below 2^-22, where CUDA's math library spends ~25 instructions on each) and
-exp2 is CUDA's math library (one approximate instruction too). Every log2 and exp2 here feeds
-an E4M3 code (3 mantissa bits) or a group's expansion metadata, so the results agree with the
-reference within rounding, not bitwise (as before: torch's CUDA kernels may contract a
-multiply and an add, and the interpreter's log2/exp2 are numpy's). On an H100 (sm_90) the
-step issues 176 instructions an element, under the 204 that 0.8 of its bandwidth leaves
+square root. Compiled for a GPU, log2 and exp2 are the approximate instructions
+(``_tile.log2_approx`` / ``exp2_approx``, about 2^-22 of the result; CUDA's math library
+spends ~25 instructions on a log2, and Triton links it with flush-to-zero). Every log2 and
+exp2 here feeds an E4M3 code (3 mantissa bits) or a group's expansion metadata, so the results
+agree with the reference within rounding, not bitwise (``benchmarks/log2_approx_effect.py``
+measures how far; torch's CUDA kernels may also contract a multiply and an add, and the
+interpreter's log2/exp2 are numpy's). On an H100 (sm_90) the
+step issues 189 instructions an element, under the 204 that 0.8 of its bandwidth leaves
 (279 with the math library's log2; tests/kernels/test_sm90_compile.py). fp32 -> E4M3 is the
 conversion instruction on sm_89 and later, else encoded by hand (round to nearest even on the
 fp32 bits): the interpreter has no fp8 and GPUs before sm_89 have no conversion instruction.
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._launch import fp8_hw_for, launch, libdevice_for, num_warps, program_index
-from ._tile import absmax, exp2, log2_approx, round_half_even, to_bf16_rne
+from ._tile import absmax, exp2_approx, log2_approx, round_half_even, to_bf16_rne
 
 __all__ = ["adamw_fp8_mcf_step"]
 
@@ -81,7 +82,7 @@ def _decode_group(codes_ptr, s_ptr, k_ptr, gm_ptr, log2_ptr, offs, m, goffs, gma
     inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)  # torch's reciprocal: IEEE
     bias = log2_approx(s, LIBDEVICE) * inv_k + log2_approx(gm, LIBDEVICE)
     bias = tl.where(tl.abs(s) < float("inf"), bias, float("nan"))
-    y = exp2(tl.load(log2_ptr + code) * inv_k[:, None] + bias[:, None], LIBDEVICE)
+    y = exp2_approx(tl.load(log2_ptr + code) * inv_k[:, None] + bias[:, None], LIBDEVICE)
     return tl.where(code >= 0x80, -y, y)  # copysign: the code's sign bit
 
 
@@ -102,11 +103,12 @@ def _encode_group(
     inv_r = tl.math.div_rn(tl.full(log_r.shape, 1.0, tl.float32), tl.where(log_r > 0, log_r, 1.0))
     k = tl.floor(inv_r * (16 * (2 * LOG2_FMAX - 1))) * 0.0625  # / 16, exact
     k = tl.minimum(tl.maximum(tl.where(log_r > 0, k, 1.0), 1.0 / 16), 65536.0)
-    gm = exp2(0.5 * (lmx + lmn), LIBDEVICE)
+    gm = exp2_approx(0.5 * (lmx + lmn), LIBDEVICE)
     lgm = log2_approx(gm, LIBDEVICE)
-    s = exp2(k * (lmx - lgm) - LOG2_FMAX, LIBDEVICE)
+    s = exp2_approx(k * (lmx - lgm) - LOG2_FMAX, LIBDEVICE)
     bias = tl.where(bad, float("nan"), -(k * lgm + log2_approx(s, LIBDEVICE)))
-    mag = tl.minimum(exp2(log2_approx(a, LIBDEVICE) * k[:, None] + bias[:, None], LIBDEVICE), FMAX)
+    mag = exp2_approx(log2_approx(a, LIBDEVICE) * k[:, None] + bias[:, None], LIBDEVICE)
+    mag = tl.minimum(mag, FMAX, propagate_nan=tl.PropagateNan.ALL)  # a NaN group's codes stay NaN
     sign = x.to(tl.int32, bitcast=True) < 0  # copysign, as the reference (-0.0 keeps its sign)
     code = _encode_e4m3(tl.where(sign, -mag, mag), LIBDEVICE, FP8_HW)
     tl.store(codes_ptr + offs, code.to(tl.uint8), mask=m)
@@ -117,9 +119,10 @@ def _encode_group(
 
 @triton.jit
 def _div_by_scalar(a, b):
-    """a / b correctly rounded (IEEE division, as torch) for b in (2^-100, 1] and a >= 0: one
-    division per program, then Markstein's correction per element (see _tile.div_by_group).
-    An infinite or NaN a passes through as a * (1 / b), the quotient's value."""
+    """a / b correctly rounded (IEEE division, as torch) for a >= 0 and b in [2^-60, 1] (the bias
+    correction sqrt(1 - b2^t): 1 / b stays far from overflow): one division per program, then
+    Markstein's correction per element (see _tile.div_by_group). An infinite or NaN a passes
+    through as a * (1 / b), the quotient's value."""
     y = tl.math.div_rn(1.0, b)
     q = a * y
     r = tl.fma(-q, tl.full(a.shape, b, tl.float32), a)

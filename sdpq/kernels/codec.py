@@ -11,7 +11,7 @@ The layouts are those of ``sdpq.quant.wire`` (codes, then little-endian scales);
 that of ``sdpq.quant`` step for step (see ``_tile``), so results are bitwise equal to the
 PyTorch reference with nearest rounding. Stochastic rounding draws from Triton's Philox stream
 (``tl.randint4x``, eight 16-bit draws per call), not torch's generator: unbiased as the
-reference, not the same draws.
+reference to within 2^-16 of a step (``_tile.uniform_tile``), not the same draws.
 
 Note: "segmented" rows. The gradient reduce-scatter quantizes rows that are concatenations of
 ``segments`` input rows (row l of the wire buffer = input rows l, l + P, l + 2P, ...); the
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch, libdevice_for, num_warps, program_index, spec_constexprs, tile_elements
-from ._tile import SHUFFLE_MAX_BLOCK, anchor, fwht, load_groups, store_groups, to_bf16_rne
+from ._tile import SHUFFLE_MAX_BLOCK, fwht, load_groups, opaque_copy, store_groups, to_bf16_rne
 from .codec_reduce import reduce_rows
 
 __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
@@ -72,7 +72,7 @@ def _encode_kernel(
         v = v - tl.load(ref_ptr + r * ref_stride + col, mask=m, other=0.0).to(tl.float32)
     if HB > 1:  # H D v / HB per block of HB (as the reference)
         v = v * (tl.load(signs_ptr + (col % HB)) * (1.0 / HB))  # D / HB: exact, a power of two
-        v = anchor(tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB), [TILE]), LIBDEVICE)
+        v = opaque_copy(tl.reshape(fwht(tl.reshape(v, [TILE // HB, HB]), HB, LOG2HB), [TILE]), LIBDEVICE)
     seg = r // P
     if WRITE_OWN:
         if r % P == own_row:
@@ -148,8 +148,8 @@ def encode_rows(
     # 16): its per-program work (the flat index's division, the signs, the scales of four
     # groups a warp) then spreads over twice the elements; 2^20 elements of bf16 gradients:
     # 70 -> 62 instructions an element on sm_90, where 0.8 of an H100's bandwidth leaves 63.
-    wide = 1 < hb <= SHUFFLE_MAX_BLOCK.value
-    tile = tile_elements(n, spec.group_size, hb, target=4096 if wide else 2048)
+    shuffled = 1 < hb <= SHUFFLE_MAX_BLOCK.value
+    tile = tile_elements(n, spec.group_size, hb, target=4096 if shuffled else 2048)
     row_numel = segments * n
     out = torch.empty((P, spec.wire_bytes(row_numel)), dtype=torch.uint8, device=x.device)
     own = torch.empty((segments, n), dtype=torch.float32, device=x.device) if own_row is not None else None
@@ -182,7 +182,7 @@ def encode_rows(
         LOG2HB=int(math.log2(hb)),
         WRITE_OWN=own is not None,
         LIBDEVICE=libdevice_for(x),
-        num_warps=num_warps(tile, per_warp=1024 if wide else 512),
+        num_warps=num_warps(tile, per_warp=1024 if shuffled else 512),
         **spec_constexprs(spec),
     )
     return out, own, flag

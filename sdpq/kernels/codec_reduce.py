@@ -54,12 +54,12 @@ def _sum_rows(
     for k0 in range(0, ROWS, CHUNK):
         for i in tl.static_range(CHUNK):
             k = k0 + i
-            kg = tl.full(gmask.shape, k, tl.int32)  # a tensor: the interpreter's k is a Python int
-            wire = gmask & (kg != own_row)
+            k_vec = tl.full(gmask.shape, k, tl.int32)  # a tensor: the interpreter's k is a Python int
+            wire_mask = gmask & (k_vec != own_row)
             if ROWS % CHUNK != 0:
-                wire = wire & (kg < ROWS)
+                wire_mask = wire_mask & (k_vec < ROWS)
             vals = tl.reshape(
-                load_groups(buf_ptr + k * buf_stride, code_bytes, groups, wire, G, BITS, SCALE_BF16), [TILE]
+                load_groups(buf_ptr + k * buf_stride, code_bytes, groups, wire_mask, G, BITS, SCALE_BF16), [TILE]
             )
             # Past the last row (a partial chunk) the masked loads decode to +0.0, and adding it
             # changes nothing: acc starts at +0.0 and a sum of floats is never -0.0 after that.
@@ -176,6 +176,8 @@ def reduce_rows(
     `hadamard`), or with `encode_spec`: (wire [numel / encode_rows_n, wire_bytes(encode_rows_n)],
     the exact sum of row own_seg fp32 [encode_rows_n], non-finite group count)."""
     R = buf.shape[0]
+    if not 0 <= own_row < R:  # past the last row it would be summed as one more row
+        raise ValueError(f"reduce_rows: own_row {own_row} is not one of the {R} received rows")
     hb, signs = hadamard if hadamard is not None else (1, own.new_ones(1))
     tile, out, enc, own_out, e_args = _reduce_outputs(buf, spec, numel, own, hb, encode_spec, encode_rows_n)
     flag = torch.zeros(1, dtype=torch.int32, device=buf.device)

@@ -160,6 +160,14 @@ def _spill_cases():
         "reduce 4-bit G4096 re-encode G4096",
         lambda: codec.reduce_rows(buf, big4, 8192, own, 0, bad, encode_spec=big4, encode_rows_n=4096, own_seg=0),
     )
+    yield (  # 32 elements a thread with shuffled butterflies, at the largest group
+        "encode 4-bit G4096 H128 stochastic own (gradients' tile)",
+        lambda: codec.encode_rows(
+            torch.randn(4, 8192).bfloat16(), big4, segments=2, hadamard=(128, ones(128)), own_row=0
+        ),
+    )
+    buf8 = torch.zeros(8, big4.wire_bytes(8192), dtype=torch.uint8)
+    yield "reduce 4-bit G4096 8 rows", lambda: codec.reduce_rows(buf8, big4, 8192, own, 0, bad)
     rows12 = torch.zeros(12, QuantSpec(8, 128).wire_bytes(8192), dtype=torch.uint8)
     yield (  # a chunk of 8 rows in flight, then 4 of a second: the row loop
         "reduce 8-bit 12 rows",

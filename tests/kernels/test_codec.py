@@ -164,6 +164,14 @@ def test_reduce_inverse_hadamard_bitwise(R, block, bits):
         assert got.isnan().all() == bad
 
 
+@pytest.mark.parametrize("own_row", [-1, 11, 16])  # 11, 16: one chunk of 8 rows in flight and a partial one
+def test_reduce_refuses_an_own_row_outside_the_rows(own_row):
+    spec = QuantSpec(4, 128)
+    buf = _wire_rows(11, 256, spec, 0)
+    with pytest.raises(ValueError, match=f"own_row {own_row} is not one of the 11"):
+        codec.reduce_rows(buf, spec, 256, torch.zeros(256, device=DEV), own_row, torch.zeros(1, device=DEV))
+
+
 @pytest.mark.parametrize("R,nodes", [(2, 2), (4, 2), (2, 4)])
 @pytest.mark.parametrize("bits_out", [2, 3, 4])
 def test_reduce_then_encode_bitwise(R, nodes, bits_out):
