@@ -147,6 +147,14 @@ def div_by_group(v, s, EXACT: tl.constexpr = True):
 
 
 @triton.jit
+def run_counters(p, M: tl.constexpr, G: tl.constexpr):
+    """The random stream's counters of program p's tile [M, G] (p's tiles one after the other):
+    one per run of eight elements (uniform_tile's unit), [M, G // 8], its position modulo 2^32
+    (int32, as the fast 32-bit Philox takes it): draws repeat only 2^35 elements apart."""
+    return (p * (M * G // 8) + tl.reshape(tl.arange(0, M * G // 8), [M, G // 8])).to(tl.int32)
+
+
+@triton.jit
 def uniform_tile(seed, c8, M: tl.constexpr, G: tl.constexpr):
     """[M, G] uniforms in (0, 1) from one Philox call per eight elements: c8 [M, G // 8] holds a
     distinct counter per run of eight (its element's position / 8). The call's four 32-bit draws

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch, libdevice_for, num_warps, program_index, spec_constexprs, tile_elements
-from ._tile import SHUFFLE_MAX_BLOCK, fwht, load_groups, opaque_copy, store_groups, to_bf16_rne
+from ._tile import SHUFFLE_MAX_BLOCK, fwht, load_groups, opaque_copy, run_counters, store_groups, to_bf16_rne
 from .codec_reduce import reduce_rows
 
 __all__ = ["encode_rows", "decode_rows", "reduce_rows"]
@@ -81,9 +81,7 @@ def _encode_kernel(
     vg = tl.reshape(v, [NG, G])
     groups = t * NG + tl.arange(0, NG)
     gmask = groups * G < n
-    # Note: the random stream's counter is the position of the element's run of eight modulo
-    # 2^32 (int32, as the fast 32-bit Philox takes it): draws repeat only 2^35 elements apart.
-    c8 = (p * (TILE // 8) + tl.reshape(tl.arange(0, TILE // 8), [NG, G // 8])).to(tl.int32)
+    c8 = run_counters(p, NG, G)
     og = seg * tl.cdiv(n, G) + groups  # group index inside the (segmented) output row
     row_ptr = out_ptr + (r % P) * out_stride
     store_groups(

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch, libdevice_for, num_warps, program_index, spec_constexprs, tile_elements
-from ._tile import fwht, load_groups, store_groups
+from ._tile import fwht, load_groups, run_counters, store_groups
 
 __all__ = ["reduce_rows"]
 
@@ -123,7 +123,7 @@ def _reduce_kernel(
         g2mask = groups2 * G2 < enc_n
         store_groups(
             vg, enc_ptr + e_row * enc_stride, enc_code_bytes, groups2, g2mask,
-            tl.reshape(t * (TILE // 8) + tl.arange(0, TILE // 8), [NG2, G2 // 8]).to(tl.int32), seed,
+            run_counters(t, NG2, G2), seed,
             flag_ptr, G2, BITS2, QMAX2, STOCHASTIC, SCALE2_BF16, LIBDEVICE,
         )  # fmt: skip
     else:
