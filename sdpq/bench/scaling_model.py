@@ -241,7 +241,8 @@ def fsdp_cross_node_bytes(
 ) -> dict[str, int]:
     """Bytes a steady-state step of an FSDP2 job sends across nodes, summed over ranks, per path
     ("weights": all-gathers, "gradients": reduce-scatters / all-to-alls), counted as the
-    process-group meter counts them (a rank sends a collective's share to each other member).
+    process-group meter counts them: the least cross-node traffic of sdpq/comm/traffic.py (a
+    rank's shard crosses into each other node once).
 
     `modules`: per FSDP module, its parameters' shapes and how often a step gathers it (2 with
     reshard_after_forward: forward and backward; 1 without). FSDP2 pads dim 0 to a multiple of
@@ -257,8 +258,8 @@ def fsdp_cross_node_bytes(
     for shapes, gathers in modules:
         shard = sum(-(-s[0] // N) * math.prod(s[1:]) for s in shapes)
         if sdpq is None:
-            out["weights"] += N * gathers * shard * param_bytes * (N - L)
-            out["gradients"] += N * shard * reduce_bytes * (N - L)
+            out["weights"] += N * gathers * shard * param_bytes * (nodes - 1)
+            out["gradients"] += N * shard * reduce_bytes * (nodes - 1)
             continue
         w, g = sdpq.weights, sdpq.gradients
         wspec = QuantSpec(bits=w.bits, group_size=w.group_size, scale_dtype=SCALE_DTYPES[w.scale_dtype])

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..config import GradientsConfig, StatsConfig
 from ..kernels import decode_rows, decode_rows_inverse_hadamard, encode_rows
 from ..quant import true_div
-from . import timing
+from . import timing, traffic
 from ._exchange import all_gather_rows
 from .grads import GradReduceScatter
 from .segments import Segment, cut_segments
@@ -48,7 +48,7 @@ def _gathered(row: torch.Tensor, group) -> torch.Tensor:
 
 def exact_all_reduce(flat: torch.Tensor, topology: Topology, rec: Recorder, divide_by: int | None = None) -> None:
     """The plain SUM all-reduce of `flat` in place (divided by `divide_by` in fp32, if given),
-    its bytes recorded as a ring all-reduce sends them."""
+    its bytes recorded under the byte model (comm/traffic.py)."""
     group = topology.world_group
     # Note: as GradReduceScatter's exact mode, an inf on one rank must not become a finite
     # (or inf) value on some ranks only: a rank holding a non-finite value sends NaN.
@@ -58,15 +58,9 @@ def exact_all_reduce(flat: torch.Tensor, topology: Topology, rec: Recorder, divi
     if divide_by is not None:
         flat.copy_(true_div(flat.float(), divide_by))
     item, numel = flat.element_size(), flat.numel()
-    R, L = topology.world_size, topology.ranks_per_node
-    if R == 1:
-        return  # nothing was sent
-    sent = 2 * (R - 1) * numel // R  # what a ring all-reduce sends per rank
-    # Split as the peers are: R - L of the R - 1 other members are on other nodes.
-    inter = sent * (R - L) // (R - 1)
-    for link, elems in (("inter", inter), ("intra", sent - inter)):
-        if elems:
-            rec.record("gradients", link, bytes=elems * item, elements=elems, baseline_bytes=elems * item)
+    nodes = traffic.member_nodes(range(topology.world_size), topology.ranks_per_node)
+    elems = traffic.all_reduce(nodes, topology.rank, numel)
+    rec.record_share("gradients", elems.scaled(item), elems, item)
 
 
 class GradAllReduce:

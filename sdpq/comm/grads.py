@@ -36,7 +36,7 @@ from ..quant.groupwise import SCALE_DTYPES, relative_error
 from ..quant.hadamard import hadamard as _hadamard
 from ..quant.hadamard import inverse_hadamard as _inverse_hadamard
 from ..quant.rows import poison_scales_
-from . import timing
+from . import timing, traffic
 from ._exchange import all_to_all_rows, reduce_scatter_flat
 from ._rng import generator_state, per_rank_generator, restore_generator
 from .agreement import check_agreement
@@ -157,12 +157,12 @@ class GradReduceScatter:
         statistics; valid[r] = the bucket elements in rank r's chunk."""
         topo = self.topology
         N, L, nodes, l, n = topo.world_size, topo.ranks_per_node, topo.nodes, topo.local_rank, topo.node
+        # Note: the two-level stages run over groups with one member per node (inter) or inside
+        # one node (intra): their flat, ring and least-traffic counts agree.
         self._intra_elems = sum(valid[m * L + k] for m in range(nodes) for k in range(L) if k != l)
         self._inter_elems = sum(valid[m * L + l] for m in range(nodes) if m != n)
-        self._world_elems = {
-            "intra": sum(valid[n * L + k] for k in range(L) if k != l),
-            "inter": sum(valid[r] for r in range(N) if r // L != n),
-        }
+        # The exact reduce-scatter under the byte model: this rank's chunk, summed from every node.
+        self._world_elems = traffic.reduce_scatter(traffic.member_nodes(range(N), L), topo.rank, valid)
         self._valid_own = valid[topo.rank]
 
     # ------------------------------------------------------------------ public API
@@ -239,9 +239,7 @@ class GradReduceScatter:
         with timing.span("comm.grads"):
             reduce_scatter_flat(res, buf, topo.world_group)
         item = x.element_size()
-        for link, elems in self._world_elems.items():
-            if elems:
-                self._rec.record("gradients", link, bytes=elems * item, elements=elems, baseline_bytes=elems * item)
+        self._rec.record_share("gradients", self._world_elems.scaled(item), self._world_elems, item)
         return res
 
     # ------------------------------------------------------------------ two-level

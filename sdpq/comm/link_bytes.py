@@ -4,22 +4,26 @@ Every torch.distributed collective, whoever calls it (DeepSpeed's ``deepspeed.co
 function references bound at start-up, sdpq's ``_exchange`` helpers, torch internals), ends in a
 method of the ``ProcessGroup`` it runs on (``group.all_gather_single(...)``,
 ``group.all_to_all_single(...)``...). ``LinkBytes`` wraps those methods on the class while
-installed, so every transfer is seen exactly once, with the group's real member ranks.
+installed, so every transfer is seen exactly once, with the group's real member ranks: torch's
+deprecated names (``_allgather_base``, ``_reduce_scatter_base``) are the same C++ methods the new
+ones call, and a Python wrapper around ``dist.*`` never reaches this level twice.
 
-Accounting model: the one of ``sdpq/comm/stats.py``, so that the numbers compare like for like
-with sdpq's own statistics. A rank "sends" to every other member of the group the bytes that
-member needs from it:
+Accounting model: the one of ``sdpq/comm/traffic.py`` (the same one sdpq's own statistics and
+``sdpq plan`` use). For each collective on its group it files this rank's share of
 
-- all-gather of b bytes per rank: b to each other member;
-- reduce-scatter of an input of k chunks: chunk j to member j;
-- all-to-all: row j to member j (uneven splits included);
-- all-reduce (not in sdpq's model; reduce-scatter + all-gather): 2 b / k to each other member;
-- broadcast / scatter: the root sends; reduce / gather / send: to the root or destination.
+- ``inter``: the least cross-node traffic any algorithm of that collective must move (each node
+  receives each foreign piece once; partial sums leave a node once);
+- ``inter_ring``: what NCCL's ring moves across nodes (context);
+- ``intra``: the ring's traffic inside nodes (or the rows sent to node-mates).
 
-Each byte to member p is ``intra`` when ``p // ranks_per_node == rank // ranks_per_node`` (the
-simulated node boundary) and ``inter`` otherwise. Collectives are filed by kind: ``weights``
-(all-gathers), ``gradients`` (reduce-scatters and all-to-alls), ``other`` (all-reduce, broadcast,
-...). Counters are per process (this rank's sends); sum them over ranks for the job's total.
+Nodes are ``rank // ranks_per_node`` (the simulated node boundary). Collectives are filed by
+kind: ``weights`` (all-gathers), ``gradients`` (reduce-scatters and all-to-alls), ``other``
+(all-reduce, broadcast, ...). Counters are per process; ``sum_over_ranks`` adds every rank's for
+the job's total.
+
+Not seen: DDP's built-in all-reduce runs inside its C++ reducer and never calls a Python
+``ProcessGroup`` method. Count DDP through a comm hook (torch's ``allreduce_hook`` is the same
+all-reduce in Python); sdpq's DDP hook is counted like any other collective.
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["LinkBytes", "PATH_OF", "sum_over_ranks"]
+from . import traffic
+
+__all__ = ["LinkBytes", "PATH_OF", "LINKS", "sum_over_ranks"]
+
+LINKS = ("inter", "inter_ring", "intra")
 
 # ProcessGroup method -> path. Names are torch 2.13's (all_gather_single & co. were _allgather_base).
 PATH_OF = {
@@ -71,45 +79,49 @@ def _flat(ts) -> list:
     return out
 
 
-def _sends(method: str, k: int, me: int, args: tuple) -> dict[int, int]:
-    """{group rank of the receiver: bytes} that group rank `me` sends for one call of `method`."""
-    others = [j for j in range(k) if j != me]
+def _split_bytes(inp, splits: list, k: int) -> list[int]:
+    if not splits:
+        return [_nbytes(inp) // k] * k
+    row = _nbytes(inp) // max(1, inp.shape[0]) if inp.dim() else 0
+    return [int(s) * row for s in splits]
+
+
+def _traffic(method: str, nodes: tuple[int, ...], me: int, args: tuple) -> traffic.Traffic:
+    """Group rank `me`'s share of one call of `method` (positional arguments as torch 2.13
+    passes them) under sdpq/comm/traffic.py's model."""
+    k = len(nodes)
     if method in ("all_gather_single", "_allgather_base"):  # (output, input, opts)
-        return dict.fromkeys(others, _nbytes(args[1]))
+        return traffic.all_gather(nodes, me, _nbytes(args[1]))
     if method in (
         "allgather",
         "allgather_coalesced",
         "all_gather_single_coalesced",
         "allgather_into_tensor_coalesced",
-    ):  # (outputs, inputs, opts)
-        return dict.fromkeys(others, _nbytes(_flat(args[1])))
+    ):  # (outputs, inputs, opts): every input goes to every member
+        return traffic.all_gather(nodes, me, _nbytes(_flat(args[1])))
     if method in ("reduce_scatter_single", "_reduce_scatter_base"):  # (output, input, opts)
-        return dict.fromkeys(others, _nbytes(args[1]) // k)
+        return traffic.reduce_scatter(nodes, me, _nbytes(args[1]) // k)
     if method in ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"):
-        return dict.fromkeys(others, _nbytes(_flat(args[1])) // k)
+        return traffic.reduce_scatter(nodes, me, _nbytes(_flat(args[1])) // k)
     if method == "reduce_scatter":  # (outputs, [input list per output], opts)
-        return {j: sum(_nbytes(lst[j]) for lst in args[1]) for j in others}
+        return traffic.reduce_scatter(nodes, me, [sum(_nbytes(lst[j]) for lst in args[1]) for j in range(k)])
     if method in ("all_to_all_single", "alltoall_base"):  # (output, input, out_splits, in_splits, opts)
-        inp, splits = args[1], list(args[3])
-        if not splits:
-            return dict.fromkeys(others, _nbytes(inp) // k)
-        row = _nbytes(inp) // max(1, inp.shape[0]) if inp.dim() else 0
-        return {j: splits[j] * row for j in others}
+        return traffic.all_to_all(nodes, me, _split_bytes(args[1], list(args[3]), k))
     if method == "alltoall":  # (outputs, inputs, opts)
-        return {j: _nbytes(args[1][j]) for j in others}
+        return traffic.all_to_all(nodes, me, [_nbytes(t) for t in args[1]])
     if method in ("allreduce", "allreduce_coalesced"):  # (tensors, opts)
-        return dict.fromkeys(others, 2 * _nbytes(_flat(args[0])) // k)
+        return traffic.all_reduce(nodes, me, _nbytes(_flat(args[0])))
     if method == "broadcast":  # (tensors, opts)
-        return dict.fromkeys(others, _nbytes(_flat(args[0]))) if args[1].rootRank == me else {}
-    if method in ("reduce", "gather"):  # (tensors, opts) / (outputs, inputs, opts)
-        root = args[-1].rootRank
-        return {} if root == me else {root: _nbytes(_flat(args[0] if method == "reduce" else args[1]))}
+        return traffic.broadcast(nodes, me, args[1].rootRank, _nbytes(_flat(args[0])))
+    if method == "reduce":  # (tensors, opts)
+        return traffic.reduce(nodes, me, args[1].rootRank, _nbytes(_flat(args[0])))
+    if method == "gather":  # (outputs, inputs, opts)
+        return traffic.gather(nodes, me, args[2].rootRank, _nbytes(_flat(args[1])))
     if method == "scatter":  # (outputs, [per-rank inputs], opts)
-        if args[2].rootRank != me:
-            return {}
-        return {j: _nbytes(args[1][0][j]) for j in others}
+        root = args[2].rootRank
+        return traffic.scatter(nodes, me, root, [_nbytes(t) for t in args[1][0]] if me == root else [0] * k)
     if method == "send":  # (tensors, dst, tag)
-        return {int(args[1]): _nbytes(_flat(args[0]))}
+        return traffic.send(nodes[me], nodes[int(args[1])], _nbytes(_flat(args[0])))
     raise KeyError(method)
 
 
@@ -124,7 +136,7 @@ class LinkBytes:
 
     ranks_per_node: int
     enabled: bool = True
-    counts: dict = field(default_factory=dict)  # {(path, link): [bytes, calls]}
+    counts: dict = field(default_factory=dict)  # {(path, link): [bytes, calls]}, link in LINKS
     steps: list = field(default_factory=list)  # per snapshot: {(path, link): bytes since the last one}
 
     def __post_init__(self) -> None:
@@ -183,17 +195,14 @@ class LinkBytes:
         ranks = dist.get_process_group_ranks(pg)  # global rank of every group rank
         me_global = dist.get_rank()
         me = ranks.index(me_global)
-        sends = _sends(name, len(ranks), me, args)
-        node = me_global // self.ranks_per_node
+        share = _traffic(name, traffic.member_nodes(ranks, self.ranks_per_node), me, args)
         path = PATH_OF[name]
         with self._lock:
-            links = set()
-            for j, b in sends.items():
-                link = "intra" if ranks[j] // self.ranks_per_node == node else "inter"
-                self.counts.setdefault((path, link), [0, 0])[0] += b
-                links.add(link)
-            for link in links:  # a collective reaching both kinds of peer is a call on each link
-                self.counts[(path, link)][1] += 1
+            for link, b in (("inter", share.inter), ("inter_ring", share.ring), ("intra", share.intra)):
+                if b:  # a collective reaching both kinds of peer is a call on each link
+                    c = self.counts.setdefault((path, link), [0, 0])
+                    c[0] += b
+                    c[1] += 1
 
     def snapshot(self) -> None:
         """Close a step: append the bytes counted since the previous snapshot."""

@@ -1,10 +1,12 @@
 """Communication statistics: bytes per link class and path, call counts, sampled errors.
 
-Byte accounting model (the same for quantized and exact collectives, so ratios are fair): a
-rank "sends" to every other member of the group the bytes that member needs from it (an
-all-gather of b bytes per rank over k ranks: (k-1)*b; an all-to-all of k rows: the k-1 rows
-that leave the rank). A collective over the whole world is split by link class: the L-1 peers
-of the node are `intra`, the N-L others `inter`. Every byte of the wire buffer counts, codes,
+Byte accounting model: sdpq/comm/traffic.py's, the one every count in sdpq uses (the same for
+quantized and exact collectives, so ratios are fair). `inter` is the least cross-node traffic
+of each collective (each node receives each foreign piece once), `ring_bytes` beside it what
+NCCL's ring would move across nodes (context), `intra` the traffic inside nodes. sdpq's
+hierarchical collectives cross nodes over groups with one member per node, where the least
+traffic and the ring agree; the exact (baseline) collectives over the whole world are recorded
+through the model (`Recorder.record_share`). Every byte of the wire buffer counts, codes,
 padding and scales alike. `elements` counts the bucket elements those bytes carry (padding
 excluded), so bits_per_element = 8 * bytes / elements is what crossed the link per useful value.
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import StatsConfig
+from . import traffic
 
 __all__ = [
     "CommStats",
@@ -53,6 +56,7 @@ class LinkCounters:
     elements: int = 0
     calls: int = 0
     baseline_bytes: int = 0  # what the unquantized collective in the input dtype would send
+    ring_bytes: int = 0  # what NCCL's ring would move on this link (context; see traffic.py)
     error_samples: int = 0
     error_sum: float = 0.0
     error_max: float = 0.0
@@ -106,6 +110,7 @@ class LinkCounters:
         base = 8.0 * self.baseline_bytes / self.elements if self.elements else float("nan")
         return {
             "bytes": self.bytes,
+            "ring_bytes": self.ring_bytes,
             "elements": self.elements,
             "calls": self.calls,
             "bits_per_element": bpe,
@@ -144,16 +149,31 @@ class CommStats:
         return self.counters[key]
 
     def record(
-        self, path: str, link: str, *, bytes: int, elements: int, baseline_bytes: int = 0, calls: int = 1
+        self,
+        path: str,
+        link: str,
+        *,
+        bytes: int,
+        elements: int,
+        baseline_bytes: int = 0,
+        calls: int = 1,
+        ring_bytes: int | None = None,
     ) -> None:
+        """Add one collective's share. ring_bytes None: the same as bytes, which holds for every
+        collective whose group has at most one member per node, and for all-to-alls (their rows
+        are distinct data: traffic.py). World-wide exact collectives pass the model's figure."""
+        ring = int(bytes) if ring_bytes is None else int(ring_bytes)
         with self._lock:
             c = self._get(path, link)
             c.bytes += int(bytes)
+            c.ring_bytes += ring
             c.elements += int(elements)
             c.calls += calls
             c.baseline_bytes += int(baseline_bytes)
         if self.parent is not None:
-            self.parent.record(path, link, bytes=bytes, elements=elements, baseline_bytes=baseline_bytes, calls=calls)
+            self.parent.record(
+                path, link, bytes=bytes, elements=elements, baseline_bytes=baseline_bytes, calls=calls, ring_bytes=ring
+            )
 
     def record_error(self, path: str, link: str, relative_error: float | torch.Tensor) -> None:
         """One sampled relative error: a float, or a 0-d tensor kept on its device until read."""
@@ -184,6 +204,7 @@ class CommStats:
             "link",
             "calls",
             "MB sent",
+            "ring MB",
             "bits/elem",
             "baseline bits/elem",
             "compression",
@@ -199,6 +220,7 @@ class CommStats:
                         link,
                         str(d["calls"]),
                         f"{d['bytes'] / 1e6:.3f}",
+                        f"{d['ring_bytes'] / 1e6:.3f}",
                         f"{d['bits_per_element']:.3f}",
                         f"{d['baseline_bits_per_element']:.3f}",
                         f"{d['compression']:.2f}x",
@@ -237,21 +259,33 @@ class Recorder:
         if self.enabled:
             self.stats.record_error(path, link, relative_error)
 
-    def record_all_gather(
-        self, path: str, ranks_per_node: int, world_size: int, row_bytes: int, elements: int, itemsize: int
-    ) -> None:
-        """A world all-gather of this rank's row (row_bytes on the wire for `elements` elements
-        of `itemsize` bytes as plain): the row goes to every other rank of the node (intra) and
-        of the other nodes (inter)."""
-        for link, peers in (("intra", ranks_per_node - 1), ("inter", world_size - ranks_per_node)):
-            if peers:
-                self.record(
-                    path,
-                    link,
-                    bytes=peers * row_bytes,
-                    elements=peers * elements,
-                    baseline_bytes=peers * elements * itemsize,
-                )
+    def record_share(self, path: str, wire: traffic.Traffic, elements: traffic.Traffic, itemsize: int) -> None:
+        """One collective's share under the byte model: `wire` its bytes as sent, `elements` the
+        same collective counted in elements (the model is linear), whose bytes in the plain
+        dtype (`itemsize`) are the baseline."""
+        if wire.inter:
+            self.record(
+                path,
+                "inter",
+                bytes=wire.inter,
+                ring_bytes=wire.ring,
+                elements=elements.inter,
+                baseline_bytes=elements.inter * itemsize,
+            )
+        if wire.intra:
+            self.record(
+                path, "intra", bytes=wire.intra, elements=elements.intra, baseline_bytes=elements.intra * itemsize
+            )
+
+    def record_all_gather(self, path: str, topology, row_bytes: int, elements: int, itemsize: int) -> None:
+        """A world all-gather of this rank's row over `topology` (a comm.topology.Topology):
+        row_bytes on the wire for `elements` elements of `itemsize` bytes as plain, counted by the
+        byte model (the row crosses into each other node once)."""
+        nodes = traffic.member_nodes(range(topology.world_size), topology.ranks_per_node)
+        me = topology.rank
+        self.record_share(
+            path, traffic.all_gather(nodes, me, row_bytes), traffic.all_gather(nodes, me, elements), itemsize
+        )
 
 
 _DEFAULT = CommStats()
@@ -302,9 +336,10 @@ def sum_over_ranks(per_rank: list[dict]) -> dict:
         for path, links in d.items():
             for link, c in links.items():
                 t = total.setdefault(path, {}).setdefault(
-                    link, {"bytes": 0, "elements": 0, "calls": 0, "baseline_bytes": 0}
+                    link, {"bytes": 0, "ring_bytes": 0, "elements": 0, "calls": 0, "baseline_bytes": 0}
                 )
                 t["bytes"] += c["bytes"]
+                t["ring_bytes"] += c["ring_bytes"]
                 t["elements"] += c["elements"]
                 t["calls"] += c["calls"]
                 if c["elements"] and not math.isnan(c["baseline_bits_per_element"]):

@@ -412,9 +412,7 @@ class WeightGather:
 
     def _record_world(self, row_bytes: int, itemsize: int) -> None:
         topo = self.topology
-        self._rec.record_all_gather(
-            "weights", topo.ranks_per_node, topo.world_size, row_bytes, self._valid[topo.rank], itemsize
-        )
+        self._rec.record_all_gather("weights", topo, row_bytes, self._valid[topo.rank], itemsize)
 
     def _gather_direct(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         topo = self.topology

@@ -108,9 +108,7 @@ class ReplicaDiffGather:
             got, work = all_gather_rows(wire, topo.world_group)
             if work is not None:
                 work.wait()
-        self._rec.record_all_gather(
-            "weights", topo.ranks_per_node, topo.world_size, wire.numel(), n, rows.element_size()
-        )
+        self._rec.record_all_gather("weights", topo, wire.numel(), n, rows.element_size())
         with timing.span("weights.decode"):
             decode_rows(got, self.spec, n, rows[:, a:b], add=True)
 
@@ -122,14 +120,7 @@ class ReplicaDiffGather:
                 rows[0].copy_(own)
             else:
                 all_gather_flat(rows.view(-1), own, topo.world_group)
-        self._rec.record_all_gather(
-            "weights",
-            topo.ranks_per_node,
-            topo.world_size,
-            own.numel() * own.element_size(),
-            own.numel(),
-            rows.element_size(),
-        )
+        self._rec.record_all_gather("weights", topo, own.numel() * own.element_size(), own.numel(), rows.element_size())
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if self.config.rounding != "stochastic":

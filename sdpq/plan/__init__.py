@@ -91,7 +91,7 @@ def plan(
             PlanRow(
                 arm.name,
                 mem,
-                cross_node_bytes(model, fw, nodes, arm),
+                cross_node_bytes(model, fw, nodes, per_node, arm),
                 step_seconds(model, fw, nodes, per_node, arm, link, k),
                 total <= (1 - reserve) * gpu_memory_gb * GB,
                 notes,
@@ -121,35 +121,64 @@ def table(rows: list[PlanRow]) -> str:
     head = (
         f"{'configuration':<26}"
         + "".join(f"{s:>8}" for s in short)
-        + f"{'total':>8}{'x-node GB':>11}{'step s':>8}  fits"
+        + f"{'total':>8}{'x-node GB':>11}{'(ring)':>8}{'step s':>8}  fits"
     )
     out = [head, "-" * len(head)]
     for r in rows:
         cells = "".join(f"{r.memory.get(k, 0) / GB:>8.2f}" for k in kinds)
-        line = f"{r.arm:<26}{cells}{r.total / GB:>8.2f}{r.cross_node['total'] / GB:>11.2f}{r.seconds['total']:>8.2f}"
+        cross = f"{r.cross_node['total'] / GB:>11.2f}{r.cross_node['ring_total'] / GB:>8.2f}"
+        line = f"{r.arm:<26}{cells}{r.total / GB:>8.2f}{cross}{r.seconds['total']:>8.2f}"
         out.append(line + f"  {'yes' if r.fits else 'NO'}" + (f" ({'; '.join(r.notes)})" if r.notes else ""))
     return "\n".join(out)
 
 
+def _number(kind: type, low: float, high: float | None = None, *, low_in: bool = False, high_in: bool = False):
+    """An argparse type: a number of `kind` between `low` and `high` (each end included when
+    `low_in` / `high_in`), with an error that says what is allowed."""
+    allowed = f"{'>=' if low_in else '>'} {low:g}"
+    if high is not None:
+        allowed += f" and {'<=' if high_in else '<'} {high:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: {allowed}") from None
+        above = value >= low if low_in else value > low
+        below = high is None or (value <= high if high_in else value < high)
+        if not (above and below):
+            raise argparse.ArgumentTypeError(f"{text}; allowed: {allowed}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    positive, count, share = _number(float, 0), _number(int, 1, low_in=True), _number(float, 0, 1, high_in=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(PRESETS), help="a Llama 2 shape")
     src.add_argument("--hf-config", metavar="CONFIG_JSON", help="a Llama-family Hugging Face config.json")
-    src.add_argument("--params", type=float, help="a bare parameter count (e.g. 7e9)")
+    src.add_argument("--params", type=_number(float, 1, low_in=True), help="a bare parameter count (e.g. 7e9)")
     src.add_argument("--model", choices=["gpt", "llama"], help="sdpq.train's model, with the flags below")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--d-model", type=count, default=256)
+    p.add_argument("--layers", type=count, default=4)
+    p.add_argument("--heads", type=count, default=4)
+    p.add_argument("--seq-len", type=count, default=128)
     p.add_argument("--framework", choices=FRAMEWORKS, default="fsdp2")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80)")
-    p.add_argument("--link-gbit", type=float, default=400.0, help="inter-node Gbit/s per node (default 400)")
-    p.add_argument("--batch-per-gpu", type=int, default=1, help="sequences per GPU and step (time model)")
-    p.add_argument("--reserve", type=float, default=0.3, help="share of GPU memory kept for activations")
-    p.add_argument("--mfu", type=float, help="time model: compute efficiency (default: fitted, see --help)")
-    p.add_argument("--link-efficiency", type=float, help="time model: share of the link's bandwidth")
+    p.add_argument("--nodes", type=count, required=True)
+    p.add_argument("--gpus-per-node", type=count, default=8)
+    p.add_argument("--gpu-memory", type=positive, default=80.0, help="GB per GPU (default 80)")
+    p.add_argument("--link-gbit", type=positive, default=400.0, help="inter-node Gbit/s per node (default 400)")
+    p.add_argument("--batch-per-gpu", type=count, default=1, help="sequences per GPU and step (time model)")
+    p.add_argument(
+        "--reserve",
+        type=_number(float, 0, 1, low_in=True),
+        default=0.3,
+        help="share of GPU memory kept for activations",
+    )
+    p.add_argument("--mfu", type=share, help="time model: compute efficiency (default: fitted, see --help)")
+    p.add_argument("--link-efficiency", type=share, help="time model: share of the link's bandwidth")
     p.add_argument("--json", action="store_true")
 
 
@@ -158,7 +187,7 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
         return from_config(PRESETS[args.preset], name=f"Llama-2 {args.preset}")
     if args.hf_config:
         return from_hf_config(args.hf_config)
-    if args.params:
+    if args.params is not None:
         return from_params(args.params)
     from ..train.model import MODELS
 
@@ -169,9 +198,6 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
 def main(args: argparse.Namespace) -> int:
     import json
 
-    for name in ("nodes", "gpus_per_node"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: {getattr(args, name)}; allowed: an integer >= 1")
     model = model_from_args(args)
     link = Link(args.link_gbit, batch_per_gpu=args.batch_per_gpu)
     k = default_constants()
@@ -189,7 +215,8 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"{model.name} ({model.params / 1e9:.2f}B parameters), {args.framework}, {args.nodes} nodes x "
         f"{args.gpus_per_node} GPUs ({gpus}), {args.gpu_memory:g} GB each, {args.link_gbit:g} Gbit/s per node\n"
-        "memory: GB per GPU of model state (activations not planned); x-node: GB per step over one node's link;\n"
+        "memory: GB per GPU of model state (activations not planned); x-node: GB per step over one node's link,\n"
+        "the least traffic of each collective (ring: what NCCL's ring would carry, context);\n"
         f"step: the time model's (mfu {k.mfu:g}, link efficiency {k.link_efficiency:g}, "
         f"{args.batch_per_gpu} sequence(s) of {model.seq} per GPU)\n"
     )

@@ -1,9 +1,11 @@
 """Cross-node bytes per step and the step time `sdpq bench scaling`'s model predicts, per planned
 configuration (sdpq/bench/scaling_model.py states the model and its fitted constants).
 
-Bytes are what one node's link carries per optimizer step (each direction), as the scaling model
-counts them: a collective over the data-parallel ranks moves each element across a node
-boundary (nodes - 1) / nodes times, at the bits it travels with:
+Bytes are what one node's link carries per optimizer step (each direction), by the byte model of
+sdpq/comm/traffic.py (the one the process-group meter and sdpq's statistics use): the least
+cross-node traffic of each collective, (nodes - 1) / nodes of the tensor for an all-gather or a
+reduce-scatter, twice that for an all-reduce, at the bits it travels with. NCCL's ring
+((N - 1) / N for N data-parallel ranks) is given beside it as context ("ring_total"):
 
 | configuration | weights (per step) | gradients (per step) |
 |---|---|---|
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..bench.scaling_model import GPT, Constants, wire_bits
+from ..comm import traffic
 from .memory import Arm
 from .shapes import ModelShape
 
@@ -44,41 +47,56 @@ class Link:
     batch_per_gpu: int = 1  # sequences per GPU and step
 
 
-def _bits(arm: Arm, framework: str) -> tuple[float, float]:
-    """(weight bits per element per step, gradient bits per element per step) across nodes."""
+# (collective kind of comm/traffic.py, bits per element it carries, whether it runs over the
+# whole data-parallel group (NCCL's ring: "world") or hierarchically over one member per node
+# ("nodes": sdpq's inter-node stages, ZeRO++'s qgZ), where the ring and the least traffic agree).
+Hop = tuple[str, float, str]
+
+
+def _hops(arm: Arm, framework: str) -> tuple[list[Hop], list[Hop]]:
+    """(the weight collectives of one step, the gradient collectives of one step) across nodes."""
     cfg = arm.sdpq
     zero12 = framework in ("zero1", "zero2")
     if cfg is None:
         if zero12:
-            return 16.0, 2 * 16.0
+            return [("all_gather", 16.0, "world")], [("all_reduce", 16.0, "world")]
         if arm.zeropp:
-            return wire_bits(8, 2048), wire_bits(4, 128)
+            return [("all_gather", wire_bits(8, 2048), "world")], [("reduce_scatter", wire_bits(4, 128), "nodes")]
         if framework == "hsdp":
-            return 0.0, 2 * 32.0
-        return GATHERS * 16.0, 32.0 if framework == "fsdp2" else 16.0
+            return [], [("all_reduce", 32.0, "nodes")]  # over the replicate group: one rank per node
+        grad = 32.0 if framework == "fsdp2" else 16.0
+        return [("all_gather", 16.0, "world")] * GATHERS, [("reduce_scatter", grad, "world")]
     g = cfg.gradients
-    grad = wire_bits(g.inter_bits, g.inter_group_size) if g.mode == "two_level" else 32.0
-    if zero12:  # exact: DeepSpeed's own all-reduce of the bf16 buckets and all-gather
-        w = cfg.weights
-        return (wire_bits(w.bits, w.group_size) if w.mode == "diff" else 16.0), grad
+    grads: Hop = (
+        ("reduce_scatter", wire_bits(g.inter_bits, g.inter_group_size), "nodes")
+        if g.mode == "two_level"
+        else ("reduce_scatter", 32.0, "world")
+    )
     if framework == "hsdp":
-        return 0.0, 2 * grad
+        return [], [("all_reduce", grads[1], grads[2])]
     w = cfg.weights
-    weights = {
-        "diff": wire_bits(w.bits, w.group_size),
-        "direct": GATHERS * wire_bits(8, w.group_size),
-        "exact": GATHERS * 16.0,
+    if zero12:  # the owners' differences go to every rank in one world all-gather
+        return [("all_gather", wire_bits(w.bits, w.group_size) if w.mode == "diff" else 16.0, "world")], [grads]
+    weights: list[Hop] = {
+        "diff": [("all_gather", wire_bits(w.bits, w.group_size), "nodes")],
+        "direct": [("all_gather", wire_bits(8, w.group_size), "world")] * GATHERS,
+        "exact": [("all_gather", 16.0, "world")] * GATHERS,
     }[w.mode]
-    return weights, grad
+    return weights, [grads]
 
 
-def cross_node_bytes(model: ModelShape, framework: str, nodes: int, arm: Arm) -> dict[str, float]:
-    """{"weights", "gradients", "total"}: bytes one node's link carries per step."""
-    if nodes == 1:
-        return {"weights": 0.0, "gradients": 0.0, "total": 0.0}
-    w, g = _bits(arm, framework)
-    cross = model.params * (nodes - 1) / nodes / 8
-    return {"weights": w * cross, "gradients": g * cross, "total": (w + g) * cross}
+def cross_node_bytes(model: ModelShape, framework: str, nodes: int, per_node: int, arm: Arm) -> dict[str, float]:
+    """{"weights", "gradients", "total", "ring_total"}: bytes one node's link carries per step
+    (least traffic; "ring_total" what NCCL's ring would carry, as context)."""
+    out = {"weights": 0.0, "gradients": 0.0, "ring_total": 0.0}
+    for path, hops in zip(("weights", "gradients"), _hops(arm, framework)):
+        for kind, bits, over in hops:
+            members = per_node if over == "world" else 1
+            b = traffic.per_node(kind, model.params * bits / 8, nodes, members)
+            out[path] += b["least"]
+            out["ring_total"] += b["ring"]
+    out["total"] = out["weights"] + out["gradients"]
+    return out
 
 
 def step_seconds(
@@ -88,7 +106,9 @@ def step_seconds(
     gpus = nodes * per_node
     gpt = GPT(model.name, model.layers, model.hidden, model.seq, model.vocab)
     compute = gpt.flops(gpus * link.batch_per_gpu) / gpus / (link.peak_tflops * 1e12 * k.mfu)
-    inter = cross_node_bytes(model, framework, nodes, arm)["total"] / (link.link_gbit / 8 * 1e9 * k.link_efficiency)
+    inter = cross_node_bytes(model, framework, nodes, per_node, arm)["total"] / (
+        link.link_gbit / 8 * 1e9 * k.link_efficiency
+    )
     local = (per_node - 1) / per_node * model.params
     # Inside the node every configuration gathers bf16 weights twice (sdpq from its reference; an
     # int8 reference sends 8.25 bits) and reduces the node's share of the gradients once.
