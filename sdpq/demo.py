@@ -220,8 +220,13 @@ def _record(name: str, r: dict, tail: int) -> dict:
     )
 
 
-def _plot(records: list[dict], path: Path) -> None:
-    import matplotlib
+def _plot(records: list[dict], path: Path) -> bool:
+    """The loss curves as a PNG; False (nothing written) without matplotlib, which is the
+    optional `plot` extra: the table and results.json need nothing beyond the base install."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -237,6 +242,7 @@ def _plot(records: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def _table(records: list[dict], console: Console) -> None:
@@ -307,7 +313,9 @@ def main(args: argparse.Namespace) -> int:
             task = progress.add_task(f"{name:<11}", total=args.steps)
             records.append(_record(name, _run_arm(name, args, out, progress, task), args.tail))
     _table(records, console)
-    _plot(records, out / "loss.png")
     (out / "results.json").write_text(json.dumps(records, indent=1))
-    console.print(f"wrote {out / 'results.json'} and {out / 'loss.png'}")
+    if _plot(records, out / "loss.png"):
+        console.print(f"wrote {out / 'results.json'} and {out / 'loss.png'}")
+    else:
+        console.print(f"wrote {out / 'results.json'} (no loss.png: matplotlib is missing; pip install 'sdpq[plot]')")
     return 0

@@ -144,3 +144,14 @@ def _demo_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
     return p.parse_args([])
+
+
+def test_results_need_no_matplotlib(tmp_path, monkeypatch):
+    """matplotlib is the optional `plot` extra: without it the demo writes no plot and says so."""
+    import sys
+
+    from sdpq.demo import _plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert _plot([{"arm": "fsdp2", "losses": [1.0, 0.5]}], tmp_path / "loss.png") is False
+    assert not (tmp_path / "loss.png").exists()
