@@ -312,7 +312,9 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
     # ------------------------------------------------------------------ engine: checkpoints, teardown
 
     def _install_engine(self) -> None:
-        self._undo.append(wrap_engine(self.engine, self.state_dict, self._state_path, self._after_load, self.remove))
+        self._undo.append(
+            wrap_engine(self.engine, self.state_dict, self._state_path, self._after_load, self.remove, self._agree)
+        )
         self.engine.sdpq = self
 
     def _regather_available(self) -> None:

@@ -10,38 +10,71 @@ error: no rank raises alone while the others wait. It holds every WeightGather's
 state_dict (references, pending refreshes, rounding streams, error feedback), so a resumed run
 continues bit for bit. Parameters and buckets are named by position, not ds_id: ds_id numbering
 continues across engines in one process.
+
+Both DeepSpeed adapters (ZeRO-3 here, ZeRO-1/2 in _ds_zero12_state.py) save and load alike
+(`wrap_engine`): the file is written atomically (_files.py: a save that fails midway leaves the
+previous file as it was) and every rank agrees on the outcome before DeepSpeed saves anything, so a
+write that fails on one rank raises the same `CheckpointSaveError` on every rank; a load reads and
+validates the file (`read_state`, never raising), agrees (`agree_on_problems`), loads, and agrees
+again, and on any rank's problem every rank rebuilds its state alike.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_rows
 from ._ds_state import AdapterState
+from ._files import save_atomically
 
-__all__ = ["CheckpointMixin", "STATE_FILE", "agree_on_problems", "state_path", "wrap_engine"]
+__all__ = [
+    "CheckpointMixin",
+    "CheckpointSaveError",
+    "STATE_FILE",
+    "agree_on_problems",
+    "read_state",
+    "state_path",
+    "wrap_engine",
+]
 
 STATE_FILE = "sdpq_rank{rank:05d}.pt"
 _FORMAT = 1
 _SHOWN = 3  # ranks whose problem a load warning spells out
 
 
-def wrap_engine(eng, state_dict, state_path, after_load, remove):
+class CheckpointSaveError(RuntimeError):
+    """sdpq's state could not be written on some rank: raised on every rank, before DeepSpeed
+    writes anything, naming each failed rank, its file and the error."""
+
+
+def wrap_engine(eng, state_dict, state_path, after_load, remove, agree: Callable[[str | None], list[str]]):
     """Wrap the engine's save_checkpoint (sdpq's state written first, at state_path(tag dir): so
     "latest" never points at a tag without it), load_checkpoint (after_load(tag dir) once
-    DeepSpeed has loaded) and destroy (remove() first). Returns the undo."""
+    DeepSpeed has loaded) and destroy (remove() first). agree(problem): the ranks' problems, the
+    same list on every rank (`agree_on_problems`). Returns the undo."""
     orig_save, orig_load, orig_destroy = eng.save_checkpoint, eng.load_checkpoint, getattr(eng, "destroy", None)
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         if tag is None:
             tag = f"global_step{eng.global_steps}"  # DeepSpeed's default tag
         path = os.path.join(save_dir, str(tag))
-        os.makedirs(path, exist_ok=True)
-        torch.save(state_dict(), state_path(path))
+        file, problem, cause = state_path(path), None, None
+        try:
+            os.makedirs(path, exist_ok=True)
+            save_atomically(state_dict(), file)
+        except Exception as e:  # every rank must reach the agreement below (DeepSpeed's save is collective)
+            problem, cause = f"cannot write {file}: {type(e).__name__}: {e}", e
+        problems = agree(problem)
+        if problems:
+            raise CheckpointSaveError(
+                f"sdpq: checkpoint {path} not saved: {'; '.join(problems)}; nothing of DeepSpeed's was "
+                "written, and a previous checkpoint of this tag is as it was"
+            ) from cause
         return orig_save(save_dir, tag, *args, **kwargs)
 
     def load_checkpoint(load_dir, *args, **kwargs):
@@ -65,16 +98,28 @@ def wrap_engine(eng, state_dict, state_path, after_load, remove):
     return undo
 
 
-def agree_on_problems(problem: str | None, topology, device) -> list[str]:
+def agree_on_problems(
+    problem: str | None,
+    topology,
+    device,
+    same: Sequence[int] = (),
+    differ: Callable[[list[tuple[int, ...]]], str] | None = None,
+) -> list[str]:
     """Every rank's problem ("rank r: ..."), the same list on every rank; empty when none has
     one. One all-gather of a flag on the world's communication device; the texts travel
-    only when some rank has a problem."""
+    only when some rank has a problem. same: integers every rank must hold alike (as many on
+    every rank), compared when no rank has a problem; if they differ, the one problem is
+    differ(every rank's values)."""
     group = topology.world_group
-    mine = torch.tensor([1 if problem else 0], dtype=torch.int64, device=device)
-    flags, work = all_gather_rows(mine, group)
+    mine = torch.tensor([1 if problem else 0, *same], dtype=torch.int64, device=device)
+    rows, work = all_gather_rows(mine, group)
     if work is not None:
         work.wait()
-    if not bool(flags.any()):
+    rows = rows.view(topology.world_size, -1).cpu()
+    if not bool(rows[:, 0].any()):
+        values = [tuple(r) for r in rows[:, 1:].tolist()]
+        if len(set(values)) > 1:
+            return [differ(values) if differ is not None else f"the ranks hold different values: {values}"]
         return []
     texts: list = [None] * topology.world_size
     dist.all_gather_object(texts, problem, group=group)
@@ -166,22 +211,7 @@ class CheckpointMixin(AdapterState):
         self._regather_available()
 
     def _read_state(self, path: str, ckpt_dir: str) -> tuple[dict | None, str | None]:
-        """(this rank's saved state, None) or (None, why it cannot be used). Never raises: an
-        unreadable file (truncated, overwritten) is a problem like a missing one."""
-        name = os.path.basename(path)
-        if not os.path.isfile(path):
-            return None, f"no {name} in {ckpt_dir} (not saved by sdpq)"
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            return None, f"cannot read {path}: {type(e).__name__}: {_load_error(e)}"
-        if not isinstance(state, dict):
-            return None, f"{path} holds a {type(state).__name__}, not sdpq's state"
-        try:
-            problem = self._incompatible(state)
-        except Exception as e:  # readable, but not the structure sdpq writes
-            problem = f"{path} is not sdpq's state: {type(e).__name__}: {e}"
-        return (None, problem) if problem else (state, None)
+        return read_state(path, ckpt_dir, self._incompatible)
 
     def _agree(self, problem: str | None) -> list[str]:
         return agree_on_problems(problem, self.topology, self._comm_device)
@@ -207,6 +237,26 @@ class CheckpointMixin(AdapterState):
             if tuple(self.params[self._ds_id[n]].ds_numel for n in idx) != tuple(numels):
                 return "a gradient bucket does not match this model"
         return None
+
+
+def read_state(path: str, ckpt_dir: str, incompatible: Callable[[dict], str | None]) -> tuple[dict | None, str | None]:
+    """(this rank's saved state, None) or (None, why it cannot be used). Never raises: an
+    unreadable file (truncated, overwritten) is a problem like a missing one, and so is a state
+    that incompatible(state) finds a problem with (or raises on: not the structure sdpq writes)."""
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        return None, f"no {name} in {ckpt_dir} (not saved by sdpq)"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        return None, f"cannot read {path}: {type(e).__name__}: {_load_error(e)}"
+    if not isinstance(state, dict):
+        return None, f"{path} holds a {type(state).__name__}, not sdpq's state"
+    try:
+        problem = incompatible(state)
+    except Exception as e:
+        problem = f"{path} is not sdpq's state: {type(e).__name__}: {e}"
+    return (None, problem) if problem else (state, None)
 
 
 def _load_error(e: Exception) -> str:

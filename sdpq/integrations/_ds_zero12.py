@@ -23,21 +23,19 @@ import torch.distributed as dist
 
 from ..comm import CommStats, OwnedReduceScatter, ReplicaDiffGather, Topology
 from ..comm.agreement import check_agreement
-from ..comm.device import comm_device
 from ..comm.reference_health import ReferenceMismatchWarning
 from ..comm.stats import process_stats, register_holder
 from ..comm.weights_replicated import replicas_agree
 from ..config import Config
-from ._ds_checkpoint import agree_on_problems, state_path, wrap_engine
+from ._ds_checkpoint import state_path, wrap_engine
 from ._ds_monitor import install_monitor
 from ._ds_zero12_internals import hooks_for
+from ._ds_zero12_state import Zero12StateMixin
 
 __all__ = ["Zero12Adapter"]
 
-_FORMAT = 1
 
-
-class Zero12Adapter:
+class Zero12Adapter(Zero12StateMixin):
     """sdpq's state for one ZeRO-1/2 engine (``engine.sdpq``). Built by ``sdpq.deepspeed.initialize``."""
 
     def __init__(self, engine, config: Config):
@@ -58,13 +56,7 @@ class Zero12Adapter:
         # Note: every rank must build the same collectives; one agreement collective at start-up
         # (a rank that disagrees fails here, with the same error on every rank, not in a hook).
         check_agreement("sdpq.deepspeed (ZeRO-1/2)", self._shaping_settings(), self.topology.world_group)
-        self.grads = (
-            None
-            if config.gradients.mode == "exact"
-            else OwnedReduceScatter(
-                self.topology, config.gradients, device=engine.device, stats=config.stats, record_to=self.stats
-            )
-        )
+        self.grads = self._new_grads()
         self.weights: dict[int, ReplicaDiffGather] = {}
         self._exact_next: set[int] = set()
         self._steps = 0
@@ -164,14 +156,15 @@ class Zero12Adapter:
     def _shaping_settings(self) -> dict:
         """What every rank must hold alike: the config, the layout, the partitions and the
         settings that cut gradient buckets."""
-        n = len(self.hooks.flat_groups())
-        return {
-            "config": self.config.to_dict(),
-            "layout": self.topology.layout,
-            "optimizer": type(self.optimizer).__name__,
-            "partitions": [int(self.hooks.own_partition(i).numel()) for i in range(n)],
-            "buckets": self.hooks.bucket_settings(),
-        }
+        return {"config": self.config.to_dict(), "layout": self.topology.layout, **self._deepspeed_shape()}
+
+    def _new_grads(self) -> OwnedReduceScatter | None:
+        if self.config.gradients.mode == "exact":
+            return None
+        c = self.config
+        return OwnedReduceScatter(
+            self.topology, c.gradients, device=self.engine.device, stats=c.stats, record_to=self.stats
+        )
 
     def _weight_gather(self, i: int) -> ReplicaDiffGather:
         rg = self.weights.get(i)
@@ -187,56 +180,10 @@ class Zero12Adapter:
             )
         return rg
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict:
-        """Per-rank state for checkpoints: rounding streams and the check/resync schedule. The
-        weights every rank holds and the masters are DeepSpeed's (its checkpoint restores both, so
-        the differences continue from where they were)."""
-        return {
-            "format": _FORMAT,
-            "layout": self.topology.layout,
-            "rank": self.topology.rank,
-            "steps": self._steps,
-            "exact_next": sorted(self._exact_next),
-            "grads": None if self.grads is None else self.grads.state_dict(),
-            "weights": {i: rg.state_dict() for i, rg in self.weights.items()},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != _FORMAT or (state.get("layout"), state.get("rank")) != (
-            self.topology.layout,
-            self.topology.rank,
-        ):
-            raise ValueError(
-                f"sdpq state saved on rank {state.get('rank')} of layout {state.get('layout')} (format "
-                f"{state.get('format')}); this is rank {self.topology.rank} of {self.topology.layout}"
-            )
-        self._steps, self._exact_next = int(state["steps"]), set(state["exact_next"])
-        if self.grads is not None and state["grads"] is not None:
-            self.grads.load_state_dict(state["grads"])
-        for i, s in state["weights"].items():
-            self._weight_gather(int(i)).load_state_dict(s)
-
-    def _after_load(self, ckpt_dir: str) -> None:
-        """Restore this rank's state; if any rank cannot (no file: saved without sdpq; another
-        layout), every rank warns and the next gathers are exact (rounding streams start anew)."""
-        problem = None
-        try:
-            self.load_state_dict(torch.load(self._state_path(ckpt_dir), map_location="cpu", weights_only=True))
-        except Exception as e:  # every rank must reach the agreement below
-            problem = f"{type(e).__name__}: {e}"
-        problems = agree_on_problems(problem, self.topology, comm_device(self.topology.world_group))
-        if problems:
-            warnings.warn(
-                f"sdpq: checkpoint {ckpt_dir}: {'; '.join(problems)}; the next weight gathers are exact",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self.mark_weights_changed()
-
     def _install_engine(self) -> None:
-        self._undo.append(wrap_engine(self.engine, self.state_dict, self._state_path, self._after_load, self.remove))
+        self._undo.append(
+            wrap_engine(self.engine, self.state_dict, self._state_path, self._after_load, self.remove, self._agree)
+        )
 
     def _state_path(self, ckpt_dir: str) -> str:
         return state_path(ckpt_dir, self.topology.rank)

@@ -8,84 +8,19 @@ import pytest
 deepspeed = pytest.importorskip("deepspeed")
 
 import deepspeed.runtime.zero.stage_1_and_2  # noqa: E402,F401,F811  (before the pools fork)
-import torch  # noqa: E402
-from deepspeed_common import TIMEOUT, TINY, fresh_deepspeed  # noqa: E402
+from deepspeed_common import TIMEOUT  # noqa: E402
+from zero12_common import KINDS  # noqa: E402
+from zero12_common import build as _engine  # noqa: E402
+from zero12_common import config as _config  # noqa: E402
+from zero12_common import prints as _prints  # noqa: E402
+from zero12_common import train as _steps  # noqa: E402
 
 import sdpq  # noqa: E402
 import sdpq.integrations.deepspeed as sds  # noqa: E402
 from sdpq.plan import Arm, rank_memory  # noqa: E402
 
-STEPS, ACCUM, MICRO = 6, 2, 4
+STEPS = 6
 EXACT = {"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
-
-
-# ZeRO-1 with fp32 gradient accumulation: DeepSpeed runs its BF16_Optimizer instead
-KINDS = {"zero1": (1, False), "zero2": (2, False), "zero1-fp32-accum": (1, True)}
-
-
-def _config(stage: int | str, block: dict | None) -> dict:
-    stage, fp32_accum = KINDS[stage] if isinstance(stage, str) else (stage, False)
-    ds = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": ACCUM,
-        "gradient_clipping": 1.0,
-        # small buckets: several per step, most with pieces of two owners; ZeRO-2 with overlap_comm
-        # (DeepSpeed's reduction stream) as the Trainer's stage-2 config has it, ZeRO-1 without
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 20000,
-            "allgather_bucket_size": 20000,
-            "overlap_comm": stage == 2,
-        },
-        "bf16": {"enabled": True},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "torch_adam": True},
-        },
-        "steps_per_print": 1 << 30,
-    }
-    if fp32_accum:
-        ds["data_types"] = {"grad_accum_dtype": "fp32"}
-    if block is not None:
-        ds["sdpq"] = block
-    return ds
-
-
-def _engine(stage: int | str, block: dict | None, seed: int):
-    from sdpq.train.model import GPT
-
-    fresh_deepspeed()
-    torch.manual_seed(seed)
-    model = GPT(TINY)
-    cfg = _config(stage, block)
-    return sdpq.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
-
-
-def _steps(ctx, engine, first: int, n: int, seed: int) -> list[float]:
-    """Optimizer steps first .. first + n - 1 (ACCUM micro-batches each); their mean losses."""
-    from sdpq.train.data import TokenData
-
-    data, losses = TokenData.stdlib(), []
-    for step in range(first, first + n):
-        total = 0.0
-        for micro in range(ACCUM):
-            x, y = data.batch(step * ACCUM + micro, ctx.rank, MICRO, TINY.seq_len, seed=seed)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss) / ACCUM
-        t = torch.tensor([total])
-        torch.distributed.all_reduce(t)
-        losses.append(float(t) / ctx.world_size)
-    return losses
-
-
-def _prints(engine) -> list:
-    from sdpq.comm.reference_health import checksum
-
-    opt = engine.optimizer
-    flat = opt.bf16_groups_flat if type(opt).__name__ == "BF16_Optimizer" else opt.bit16_groups_flat
-    return [checksum(f).tolist() for f in flat]
 
 
 def _train(ctx, stage: int | str, block: dict | None, seed: int = 0):

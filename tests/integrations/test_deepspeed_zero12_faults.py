@@ -1,0 +1,148 @@
+"""Faults around sdpq.deepspeed's ZeRO-1/2 checkpoints (sdpq/integrations/_ds_zero12.py): one
+rank's sdpq state file damaged, a save that fails midway, the hooks' exact fallback. Every fault
+must end the same way on every rank, within seconds: a warned rebuild with the replicas bitwise
+equal afterwards, or one clear error on every rank. 4 gloo ranks as 2 simulated nodes x 2, bf16.
+
+Note (CI time): each test builds as few DeepSpeed engines as it can. The damage test saves one
+checkpoint per stage and loads every damage (from a copy of it) into one engine per stage."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed")
+
+import deepspeed.runtime.zero.stage_1_and_2  # noqa: E402,F401,F811  (before the pools fork)
+import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
+from zero12_common import TIMEOUT, build, prints, train  # noqa: E402
+
+import sdpq.integrations.deepspeed as sds  # noqa: E402
+
+# Every counter a rebuild must reset is live: stochastic weight rounding (a rounding stream per
+# group), error feedback at stage 2 (residuals). The two stages' blocks differ, so that one
+# stage's file is "a file from another config" for the other.
+BLOCKS = {
+    2: {"weights": {"mode": "diff", "rounding": "stochastic"}, "gradients": {"error_feedback": True}},
+    1: {"weights": {"mode": "diff"}},
+}
+DAMAGES = ("truncated", "random", "deleted", "other-config", "other-rank", "stale")
+BAD = 1  # the rank whose file is damaged
+# What the warning must say about rank BAD's file, besides its name
+SAYS = {
+    "truncated": "cannot read",
+    "random": "cannot read",
+    "deleted": "no sdpq_rank00001.pt",
+    "other-config": "saved with sdpq.",
+    "other-rank": "saved on rank 2",
+    "stale": "different steps",
+}
+
+
+def _damage(ckpt: str, stage: int, how: str) -> str:
+    """A copy of stage's checkpoint "t" with rank BAD's sdpq file damaged (on rank 0; -> its tag)."""
+    tag = f"{how}{stage}"
+    src, dst = os.path.join(ckpt, f"t{stage}"), os.path.join(ckpt, tag)
+    shutil.copytree(src, dst)
+    name = sds.STATE_FILE.format(rank=BAD)
+    path = os.path.join(dst, name)
+    if how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    elif how == "random":
+        size = os.path.getsize(path)
+        with open(path, "wb") as f:
+            f.write(os.urandom(size))
+    elif how == "deleted":
+        os.remove(path)
+    elif how == "other-config":
+        shutil.copy(os.path.join(ckpt, f"t{3 - stage}", name), path)
+    elif how == "other-rank":
+        shutil.copy(os.path.join(dst, sds.STATE_FILE.format(rank=2)), path)
+    else:  # "stale": rank BAD's file of the same run's earlier checkpoint
+        shutil.copy(os.path.join(ckpt, f"early{stage}", name), path)
+    return tag
+
+
+def _counters(adapter) -> dict:
+    """Everything that decides a collective or a rounding: must be the same on every rank after a
+    rebuild (rounding streams compared as 'not started')."""
+    grads = adapter.grads
+    return {
+        "steps": adapter._steps,
+        "exact_next": sorted(adapter._exact_next),
+        "weights": {i: (rg.versions, rg._gen is None) for i, rg in adapter.weights.items()},
+        "grads": None if grads is None else (grads.calls, grads._gen is None, len(grads.residuals)),
+        "groups": len(adapter.hooks.flat_groups()),
+    }
+
+
+def _damaged_fn(ctx, ckpt: str):
+    out: dict = {}
+    for stage in (2, 1):  # save both first: each stage's file is the other's "other config"
+        eng = build(stage, BLOCKS[stage], seed=0)
+        train(ctx, eng, 0, 1)
+        eng.save_checkpoint(ckpt, tag=f"early{stage}")
+        train(ctx, eng, 1, 1)
+        eng.save_checkpoint(ckpt, tag=f"t{stage}")
+        eng.destroy()
+    tdist.barrier()
+    if ctx.rank == 0:
+        for stage in (2, 1):
+            for how in DAMAGES:
+                _damage(ckpt, stage, how)
+    tdist.barrier()
+    for stage in (2, 1):
+        eng = build(stage, BLOCKS[stage], seed=1)  # other initial weights: the load must replace them
+        adapter = sds.get_adapter(eng)
+        for how in DAMAGES:
+            t0 = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                eng.load_checkpoint(ckpt, tag=f"{how}{stage}")
+            seconds = time.perf_counter() - t0
+            after_load = _counters(adapter)
+            losses = train(ctx, eng, 2, 2)
+            out[(stage, how)] = {
+                "warned": [str(w.message) for w in caught if "sdpq" in str(w.message)],
+                "counters": after_load,
+                "prints": prints(eng),
+                "losses": losses,
+                "seconds": seconds,
+            }
+    return out
+
+
+def test_a_damaged_state_file_rebuilds_on_every_rank(dist, tmp_path):
+    """Rank 1's sdpq_rank00001.pt truncated, overwritten with random bytes, deleted, from another
+    config, from another rank, from an earlier checkpoint, at stages 2 and 1: every rank loads,
+    warns once naming rank 1, the file and what was wrong, rebuilds (steps, versions, rounding
+    streams and residuals reset alike: the exact gathers and the replica check come first), and
+    steps on with bitwise equal replicas. Before the fix rank 0 aborted in gloo ("Received data
+    size doesn't match expected size"): the ranks kept different step counts."""
+    res = dist.run(_damaged_fn, 4, 2, str(tmp_path), timeout=TIMEOUT)
+    for stage in (2, 1):
+        for how in DAMAGES:
+            runs = [r[(stage, how)] for r in res]
+            for r in runs:
+                assert len(r["warned"]) == 1, (stage, how, r["warned"])
+                msg = r["warned"][0]
+                assert "sdpq_rank00001.pt" in msg and SAYS[how] in msg, (stage, how, msg)
+                assert f"rank {BAD}" in msg, (stage, how, msg)
+                assert r["counters"] == runs[0]["counters"], (stage, how)
+                assert all(torch.isfinite(torch.tensor(r["losses"]))), (stage, how, r["losses"])
+                assert r["seconds"] < 10, (stage, how, r["seconds"])
+            c = runs[0]["counters"]
+            assert c["steps"] == 0 and c["weights"] == {} and c["exact_next"] == list(range(c["groups"])), (
+                stage,
+                how,
+                c,
+            )
+            assert c["grads"] == (0, True, 0), (stage, how, c)
+            assert all(r["prints"] == runs[0]["prints"] for r in runs), (stage, how, "replicas bitwise equal")
+        print(f"stage {stage}: {res[0][(stage, 'random')]['warned'][0]}")
