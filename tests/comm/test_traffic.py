@@ -75,3 +75,12 @@ def test_bad_arguments_name_what_is_wrong():
         traffic.all_gather((0, 1), 0, [1, 2, 3])
     with pytest.raises(ValueError, match="kind 'flat'"):
         traffic.per_node("flat", 1, 2, 2)
+
+
+def test_one_model_serves_the_meter_the_statistics_and_the_plan():
+    import sdpq.comm.link_bytes as meter
+    import sdpq.comm.stats as stats
+    import sdpq.plan.traffic as plan
+
+    for module in (meter, stats, plan):
+        assert module.traffic is traffic, module.__name__

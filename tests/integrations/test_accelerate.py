@@ -79,7 +79,7 @@ def _accelerate_fn(ctx, out_dir, with_block):
     }
 
 
-def test_accelerate_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
+def test_accelerate_with_the_block_cuts_the_cross_node_bytes(dist, tmp_path):
     pytest.importorskip("deepspeed")
     plain, _ = run_both_arms(dist, _accelerate_fn, str(tmp_path), "Accelerate", TIMEOUT)
     assert plain[0]["batches"] == STEPS
@@ -124,5 +124,5 @@ def _accelerate_fsdp2_fn(ctx, out_dir, with_sdpq):
     return {"losses": losses, "cross": cross_node_bytes(m), "sdpq": sdpq.fsdp.is_applied(model)}
 
 
-def test_accelerate_fsdp2_with_sdpq_sends_a_fifth_of_the_bytes(dist, tmp_path):
-    run_both_arms(dist, _accelerate_fsdp2_fn, str(tmp_path), "Accelerate FSDP2", TIMEOUT)
+def test_accelerate_fsdp2_with_sdpq_cuts_the_cross_node_bytes(dist, tmp_path):
+    run_both_arms(dist, _accelerate_fsdp2_fn, str(tmp_path), "Accelerate FSDP2", TIMEOUT, stack="fsdp2")

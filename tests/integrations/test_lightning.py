@@ -117,7 +117,7 @@ def _lightning_fn(ctx, out_dir, with_block):
 SINGLE_SEED = "one seed of 60 steps; the multi-seed studies in benchmarks/ are the loss evidence"
 
 
-def test_lightning_with_the_block_sends_a_fifth_of_the_bytes(dist, tmp_path):
+def test_lightning_with_the_block_cuts_the_cross_node_bytes(dist, tmp_path):
     pytest.importorskip("deepspeed")
     run_both_arms(dist, _lightning_fn, str(tmp_path), "Lightning", TIMEOUT, known_loss_defect=SINGLE_SEED)
 
@@ -168,5 +168,5 @@ def _lightning_fsdp2_fn(ctx, out_dir, with_sdpq):
     return {"losses": lit.losses, "cross": cross_node_bytes(m), "sdpq": sdpq.fsdp.is_applied(lit.model)}
 
 
-def test_lightning_fsdp2_with_sdpq_sends_a_fifth_of_the_bytes(dist, tmp_path):
-    run_both_arms(dist, _lightning_fsdp2_fn, str(tmp_path), "Lightning FSDP2", TIMEOUT)
+def test_lightning_fsdp2_with_sdpq_cuts_the_cross_node_bytes(dist, tmp_path):
+    run_both_arms(dist, _lightning_fsdp2_fn, str(tmp_path), "Lightning FSDP2", TIMEOUT, stack="fsdp2")
