@@ -12,9 +12,10 @@ continues bit for bit. Parameters and buckets are named by position, not ds_id: 
 continues across engines in one process.
 
 Both DeepSpeed adapters (ZeRO-3 here, ZeRO-1/2 in _ds_zero12_state.py) save and load alike
-(`wrap_engine`): the file is written atomically (_files.py: a save that fails midway leaves the
-previous file as it was) and every rank agrees on the outcome before DeepSpeed saves anything, so a
-write that fails on one rank raises the same `CheckpointSaveError` on every rank; a load reads and
+(`wrap_engine`): every rank writes its file beside the previous one (_files.py), the ranks agree
+that all were written, and only then does each replace its previous file, atomically; so a write
+that fails on one rank (a full disk) changes no rank's file and raises the same
+`CheckpointSaveError` on every rank, before DeepSpeed writes anything. A load reads and
 validates the file (`read_state`, never raising), agrees (`agree_on_problems`), loads, and agrees
 again, and on any rank's problem every rank rebuilds its state alike.
 """
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from ..comm import all_gather_rows
 from ._ds_state import AdapterState
-from ._files import save_atomically
+from ._files import write_pending
 
 __all__ = [
     "CheckpointMixin",
@@ -63,17 +64,29 @@ def wrap_engine(eng, state_dict, state_path, after_load, remove, agree: Callable
         if tag is None:
             tag = f"global_step{eng.global_steps}"  # DeepSpeed's default tag
         path = os.path.join(save_dir, str(tag))
-        file, problem, cause = state_path(path), None, None
+        file, problem, cause, pending = state_path(path), None, None, None
+        outcome = "no rank's previous file of this tag was changed"
         try:
             os.makedirs(path, exist_ok=True)
-            save_atomically(state_dict(), file)
+            pending = write_pending(state_dict(), file)
         except Exception as e:  # every rank must reach the agreement below (DeepSpeed's save is collective)
             problem, cause = f"cannot write {file}: {type(e).__name__}: {e}", e
+        # Note: every rank's new file is complete before any replaces its previous one, so a
+        # failure on one rank leaves every rank's previous file of this tag as it was.
         problems = agree(problem)
+        if not problems and pending is not None:
+            try:
+                pending.commit()
+            except Exception as e:  # a rename that fails (rare): the tag's files now mix two saves
+                problem, cause = f"cannot replace {file}: {type(e).__name__}: {e}", e
+            problems = agree(problem)
+            outcome = "the other ranks' files of this tag are the new ones: do not load this tag"
         if problems:
+            if pending is not None:
+                pending.discard()
             raise CheckpointSaveError(
-                f"sdpq: checkpoint {path} not saved: {'; '.join(problems)}; nothing of DeepSpeed's was "
-                "written, and a previous checkpoint of this tag is as it was"
+                f"sdpq: checkpoint {path} not saved: {'; '.join(problems)}; {outcome}, and nothing of "
+                "DeepSpeed's was written"
             ) from cause
         return orig_save(save_dir, tag, *args, **kwargs)
 

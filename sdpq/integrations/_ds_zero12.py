@@ -60,6 +60,7 @@ class Zero12Adapter(Zero12StateMixin):
         self.weights: dict[int, ReplicaDiffGather] = {}
         self._exact_next: set[int] = set()
         self._steps = 0
+        self.exact_fallbacks = 0  # steps whose gathers were DeepSpeed's exact one (exact_fallback)
         self._undo: list[Callable[[], object]] = []
         try:
             if self.grads is not None:
@@ -128,6 +129,20 @@ class Zero12Adapter(Zero12StateMixin):
             self._exact_next.add(i)
         if wc.resync_every and self._steps % wc.resync_every == 0:
             self._exact_next.add(i)
+
+    def exact_fallback(self, missing: str) -> None:
+        """DeepSpeed's own exact all-gather ran in place of this step's gathers (the hooks lacked
+        `missing`): every rank holds the masters rounded, so no gather is owed. Counted in
+        `exact_fallbacks`; the first one warns (its bytes are DeepSpeed's, not in sdpq.stats)."""
+        self.exact_fallbacks += 1
+        self._exact_next.clear()
+        if self.exact_fallbacks == 1:
+            warnings.warn(
+                f"sdpq ZeRO-1/2: at step {self._steps} the weight hooks lacked {missing}; DeepSpeed's exact "
+                "all-gather ran instead of sdpq's differences (counted in engine.sdpq.exact_fallbacks; warned once)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def gather(self, i: int, own_old: torch.Tensor) -> None:
         """In place of DeepSpeed's all-gather of group i: every rank's flat weights move to the

@@ -154,6 +154,7 @@ class ZeroOptimizerHooks(_Hooks):
         self.adapter.on_remove(lambda: _GATHERS.pop(key, None))
 
     _old: dict[int, torch.Tensor] | None = None  # with the weight path: own partitions before the step
+    _stepped = False  # a step of ours ran since the last gather
 
     def _hook_step(self) -> None:
         if "_optimizer_step" not in self.opt.__dict__:
@@ -163,13 +164,23 @@ class ZeroOptimizerHooks(_Hooks):
         if i == 0:
             self.adapter.step_begins()
         if self._old is not None:
+            self._stepped = True
             self.adapter.prepare_gather(i)
             self._old[i] = self.own_partition(i).detach().clone()
         self._orig_step(i)
 
     def _gather_after_step(self, groups_flat, *args: Any, **kwargs: Any) -> bool:
-        """In place of all_gather_dp_groups; False if this call does not follow our own step."""
-        if self._old is None or len(self._old) != len(groups_flat):
+        """In place of all_gather_dp_groups; False (DeepSpeed's own gather) if this call does not
+        follow our own step (update_lp_params after a checkpoint load), or if it does but the old
+        partitions of some group are missing: the differences cannot be taken, DeepSpeed's exact
+        gather is right, and the adapter counts it (`exact_fallbacks`) and warns once."""
+        if self._old is None or not self._stepped:
+            return False
+        self._stepped = False
+        missing = [i for i in range(len(groups_flat)) if i not in self._old]
+        if missing:
+            self._old.clear()
+            self.adapter.exact_fallback(f"the partitions of parameter group(s) {missing} as they were before the step")
             return False
         for i in range(len(groups_flat)):
             self.adapter.gather(i, self._old.pop(i))

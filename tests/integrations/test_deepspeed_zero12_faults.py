@@ -8,6 +8,7 @@ checkpoint per stage and loads every damage (from a copy of it) into one engine 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -146,3 +147,104 @@ def test_a_damaged_state_file_rebuilds_on_every_rank(dist, tmp_path):
             assert c["grads"] == (0, True, 0), (stage, how, c)
             assert all(r["prints"] == runs[0]["prints"] for r in runs), (stage, how, "replicas bitwise equal")
         print(f"stage {stage}: {res[0][(stage, 'random')]['warned'][0]}")
+
+
+def _tree(path: str) -> dict[str, bytes]:
+    out = {}
+    for root, _, names in os.walk(path):
+        for n in names:
+            with open(os.path.join(root, n), "rb") as f:
+                out[os.path.relpath(os.path.join(root, n), path)] = f.read()
+    return out
+
+
+def _save_fails_fn(ctx, ckpt: str):
+    eng = build(2, BLOCKS[2], seed=0)
+    adapter = sds.get_adapter(eng)
+    train(ctx, eng, 0, 2)
+    eng.save_checkpoint(ckpt, tag="t")
+    tdist.barrier()
+    before, saved = _tree(os.path.join(ckpt, "t")), prints(eng)
+    train(ctx, eng, 2, 1)
+    # The disk fills on rank BAD while its sdpq file is written over the previous one (same tag).
+    real_save = torch.save
+
+    def full_disk(obj, f):
+        f.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    torch.save = full_disk if ctx.rank == BAD else real_save
+    t0 = time.perf_counter()
+    try:
+        eng.save_checkpoint(ckpt, tag="t")
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        torch.save = real_save
+    seconds = time.perf_counter() - t0
+    tdist.barrier()
+    after = _tree(os.path.join(ckpt, "t"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng.load_checkpoint(ckpt, tag="t")
+    save = {
+        "error": error,
+        "seconds": seconds,
+        "unchanged": after == before,
+        "left": sorted(set(after) - set(before)),
+        "load_warned": [str(w.message) for w in caught if "sdpq" in str(w.message)],
+        "loaded": prints(eng) == saved and adapter._steps == 2,
+    }
+    # The hooks lose one group's partition as it was before the step (the weights' old values):
+    # DeepSpeed's exact all-gather runs instead of the differences, counted and warned once.
+    inner = eng.optimizer._optimizer_step
+
+    def losing(i):
+        inner(i)
+        adapter.hooks._old.pop(i, None)
+
+    eng.optimizer._optimizer_step = losing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(ctx, eng, 2, 2)
+    eng.optimizer._optimizer_step = inner
+    h = adapter.hooks
+    fallback = {
+        "warned": [str(w.message) for w in caught if "sdpq" in str(w.message)],
+        "count": adapter.exact_fallbacks,
+        # DeepSpeed's exact gather: this rank's partition is its master rounded, as without sdpq
+        "exact": all(
+            torch.equal(h.own_partition(i), h.master(i).to(h.own_partition(i).dtype))
+            for i in range(len(h.flat_groups()))
+        ),
+        "prints": prints(eng),
+    }
+    losses = train(ctx, eng, 4, 1)  # the differences again
+    fallback.update(after=prints(eng), count_after=adapter.exact_fallbacks, losses=losses)
+    return {"save": save, "fallback": fallback}
+
+
+def test_a_failed_save_and_the_exact_fallback(dist, tmp_path):
+    """ZeRO-2. (1) The disk fills on rank 1 while sdpq's state is written over the same tag's
+    previous checkpoint: every rank raises the same CheckpointSaveError within seconds, naming
+    rank 1, its file and ENOSPC; the previous checkpoint is bitwise as it was (DeepSpeed's files
+    too: nothing was written), no temporary file is left, and it loads without a warning. Before,
+    rank 1 raised alone (its file truncated) while the others went on into DeepSpeed's save.
+    (2) When the hooks lack a group's partition as it was before the step, DeepSpeed's exact
+    all-gather runs: counted in engine.sdpq.exact_fallbacks and warned once (before: silently)."""
+    res = dist.run(_save_fails_fn, 4, 2, str(tmp_path), timeout=TIMEOUT)
+    for r in res:
+        s = r["save"]
+        assert s["error"] and s["error"].startswith("CheckpointSaveError"), s["error"]
+        assert "rank 1: cannot write" in s["error"] and "sdpq_rank00001.pt" in s["error"], s["error"]
+        assert "No space left on device" in s["error"], s["error"]
+        assert s["seconds"] < 10, s["seconds"]
+        assert s["unchanged"] and s["left"] == [], s["left"]
+        assert s["load_warned"] == [] and s["loaded"], s
+        f = r["fallback"]
+        assert len(f["warned"]) == 1 and "exact_fallbacks" in f["warned"][0], f["warned"]
+        assert f["count"] == 2 and f["count_after"] == 2 and f["exact"]
+        assert f["prints"] == res[0]["fallback"]["prints"] and f["after"] == res[0]["fallback"]["after"]
+        assert all(torch.isfinite(torch.tensor(f["losses"])))
+    print(res[0]["save"]["error"], "|", res[0]["fallback"]["warned"][0])
