@@ -42,6 +42,7 @@ from collections.abc import Mapping
 
 from ..config import Config, ConfigError
 from ._ds_adapter import STATE_FILE, DeepSpeedAdapter
+from ._ds_checkpoint import CheckpointSaveError
 from ._ds_config import IncompatibleConfigError, check_config, prepare_config
 from ._ds_zero12 import Zero12Adapter
 
@@ -58,6 +59,7 @@ __all__ = [
     "ConfigError",
     "TESTED_DEEPSPEED",
     "STATE_FILE",
+    "CheckpointSaveError",
 ]
 
 TESTED_DEEPSPEED = ("0.19.8", "0.20")  # lowest tested version, first version outside the range
