@@ -20,6 +20,13 @@ Note (contract of the gradient hooks): on return, the pieces of each partition h
 partition's owner, the average over the data-parallel group; what other ranks hold there is not
 read by DeepSpeed's step (for BF16_Optimizer: not by the step, whose norm the hook computes from
 the owners' partitions, nor by clipping, which scales every element alike).
+
+Note (hot path): the gradient reductions and the weight gathers run inside
+`sdpq.comm.hotpath.hot_path` (no host read: on a GPU it would stall the thread that queues the
+next work) and `hook_span` (their allocation peaks in `sdpq.memory`), as ZeRO-3's and FSDP2's
+hooks do. The replica check that decides whether a gather is exact (`prepare_gather`, at the first
+step and every `verify_every`) reads its verdict on the host by design and runs outside, once per
+group and step, before the step changes the weights.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._memprobe import hook_span
 from ..comm import Piece, flat_pieces
+from ..comm.hotpath import hot_path
 from ..quant import true_div
 
 __all__ = ["hooks_for"]
@@ -133,13 +142,14 @@ class ZeroOptimizerHooks(_Hooks):
         div = dist.get_world_size(opt.real_dp_process_group[0]) / float(getattr(opt, "sequence_parallel_size", 1))
         # the bucket's parameters name it (error feedback's residual is the bucket's)
         key = tuple((i, pid) for i, _, pid in opt.ipg_buckets[communication_data_type].params)
-        for piece, total in self.adapter.grads(tensor, list(pieces), key=key):
-            avg = true_div(total, div) if opt.gradient_average else total
-            tensor.narrow(0, piece.offset, piece.numel).copy_(avg)
-            i, param_id = pieces[piece]
-            out = opt._get_compact_grad_partition_slice(i, piece.owner, param_id, piece.numel)
-            if out is not None:  # fp32 gradient accumulation: the fp32 average, before any rounding
-                out.add_(avg.to(out.dtype))
+        with hot_path("DeepSpeed ZeRO-1/2 gradient reduction"), hook_span("zero12.reduce", tensor.device):
+            for piece, total in self.adapter.grads(tensor, list(pieces), key=key):
+                avg = true_div(total, div) if opt.gradient_average else total
+                tensor.narrow(0, piece.offset, piece.numel).copy_(avg)
+                i, param_id = pieces[piece]
+                out = opt._get_compact_grad_partition_slice(i, piece.owner, param_id, piece.numel)
+                if out is not None:  # fp32 gradient accumulation: the fp32 average, before any rounding
+                    out.add_(avg.to(out.dtype))
         if opt.overlap_comm and tensor.is_cuda:  # DeepSpeed's copies that follow run on its reduction stream
             opt.reduction_stream.wait_stream(torch.cuda.current_stream())
 
@@ -182,8 +192,9 @@ class ZeroOptimizerHooks(_Hooks):
             self._old.clear()
             self.adapter.exact_fallback(f"the partitions of parameter group(s) {missing} as they were before the step")
             return False
-        for i in range(len(groups_flat)):
-            self.adapter.gather(i, self._old.pop(i))
+        with hot_path("DeepSpeed ZeRO-1/2 weight gather"), hook_span("zero12.gather", groups_flat[0].device):
+            for i in range(len(groups_flat)):
+                self.adapter.gather(i, self._old.pop(i))
         return True
 
 
@@ -222,12 +233,14 @@ class Bf16OptimizerHooks(_Hooks):
         eng, opt = self.engine, self.opt
         plain_itemsize = torch.empty(0, dtype=eng.communication_data_type).element_size()
         div = dist.get_world_size(opt.real_dp_process_group[0]) / float(eng.sequence_parallel_size)
-        for i, (flat, windows) in enumerate(zip(opt.fp32_groups_gradients_flat, self._windows)):
-            for a, b, pieces in windows:
-                window = flat[a:b]
-                for piece, total in self.adapter.grads(window, pieces, plain_itemsize=plain_itemsize, key=(i, a)):
-                    avg = true_div(total, div) if eng.gradient_average else total
-                    window.narrow(0, piece.offset, piece.numel).copy_(avg)
+        device = opt.fp32_groups_gradients_flat[0].device
+        with hot_path("DeepSpeed ZeRO-1 gradient reduction (BF16_Optimizer)"), hook_span("zero12.reduce", device):
+            for i, (flat, windows) in enumerate(zip(opt.fp32_groups_gradients_flat, self._windows)):
+                for a, b, pieces in windows:
+                    window = flat[a:b]
+                    for piece, total in self.adapter.grads(window, pieces, plain_itemsize=plain_itemsize, key=(i, a)):
+                        avg = true_div(total, div) if eng.gradient_average else total
+                        window.narrow(0, piece.offset, piece.numel).copy_(avg)
 
     def _grads_for_norm(self, for_clipping: bool = False):
         """DeepSpeed's norm reads every rank's whole fp32 buffer, which now holds the average only
@@ -266,9 +279,12 @@ class Bf16OptimizerHooks(_Hooks):
         if not self._in_step:
             return self._orig_update()
         self.adapter.step_begins()
-        for i in range(len(self.opt.bf16_groups_flat)):
+        flat = self.opt.bf16_groups_flat
+        for i in range(len(flat)):  # (each reads group i's weights only, which no gather of another group changes)
             self.adapter.prepare_gather(i)
-            self.adapter.gather(i, self.own_partition(i))
+        with hot_path("DeepSpeed ZeRO-1 weight gather (BF16_Optimizer)"), hook_span("zero12.gather", flat[0].device):
+            for i in range(len(flat)):
+                self.adapter.gather(i, self.own_partition(i))
 
 
 def hooks_for(engine, adapter) -> _Hooks | None:
