@@ -95,8 +95,9 @@ def test_trainer_zero2_with_the_block(dist, tmp_path):
     ZeRO-2's reductions and gathers go through sdpq (docs/zero12.md), at most 0.25 of the cross-node
     bytes of the same config without it by the least-traffic count (the baseline all-reduces bf16
     gradients and all-gathers bf16 partitions, 48 bits a parameter; sdpq sends 4-bit gradients and
-    4-bit differences, 8-9 bits with scales and the tiny model's padding: measured 0.199). 10 steps: the bytes and the hook are what is checked here;
-    ZeRO-2's loss with the block over seeds is benchmarks/deepspeed_zero12.py's."""
+    4-bit differences, 8-9 bits with scales and the tiny model's padding: measured 0.199). 10
+    steps: the bytes and the hook are what is checked here; ZeRO-2's loss with the block over
+    seeds is benchmarks/deepspeed_zero12.py's."""
     plain = dist.run(_trainer_fn, 4, 2, str(tmp_path), False, 2, 10, timeout=TIMEOUT)
     dist.discard(4)
     ours = dist.run(_trainer_fn, 4, 2, str(tmp_path), True, 2, 10, timeout=TIMEOUT)
