@@ -81,6 +81,7 @@ class Zero12StateMixin:
         self._steps, self._exact_next = int(state["steps"]), {int(i) for i in state["exact_next"]}
         if self.grads is not None:
             self.grads.load_state_dict(state["grads"])
+        self.weights = {}  # a group the file does not hold (saved before its first gather) starts anew
         for i, s in state["weights"].items():
             self._weight_gather(int(i)).load_state_dict(s)
 
