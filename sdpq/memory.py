@@ -168,39 +168,17 @@ def _module_report(model: nn.Module, optimizer, ledger: _Ledger) -> int:
     return sum(p.numel() for p in params)
 
 
-# A DeepSpeed optimizer's (compute weights, fp32 master partitions, gradient buffers) attributes:
-# ZeRO-3; ZeRO-1/2 (DeepSpeedZeroOptimizer); ZeRO-1 with fp32 accumulation (BF16_Optimizer).
-_DEEPSPEED_LISTS = (
-    ("fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", ()),
-    ("bit16_groups_flat", "single_partition_of_fp32_groups", ()),
-    ("bf16_groups_flat", "fp32_groups_flat_partition", ("fp32_groups_gradients_flat",)),
-)
-
-
 def _deepspeed_report(engine, ledger: _Ledger) -> int:
-    z = engine.optimizer
-    weights, masters, grad_lists = next((x for x in _DEEPSPEED_LISTS if hasattr(z, x[0])), ("", "", ()))
-    for t in getattr(z, weights, ()):
-        ledger.add("parameters", t)
-    ledger.add("gradients", getattr(z, "grad_partitions_flat_buffer", None))  # ZeRO-3
-    if weights != _DEEPSPEED_LISTS[0][0]:  # ZeRO-1/2
-        ledger.add("gradients", getattr(z, "grads_in_partition", None))  # ZeRO-2's contiguous partition
-        for bucket in getattr(z, "ipg_buckets", {}).values():  # the contiguous reduce buckets
-            for t in bucket.buffer:
-                ledger.add("gradients", t)
-        for name in grad_lists:
-            for t in getattr(z, name, ()):
-                ledger.add("gradients", t)
-        for p in engine.module.parameters():  # the bf16 .grad
-            ledger.add("gradients", p.grad)
-    for t in getattr(z, masters, ()):
-        ledger.add("master", t)
-        ledger.add("gradients", t.grad)
-    ledger.add_all(_optimizer_tensors(getattr(z, "optimizer", None)))
-    adapter = getattr(engine, "sdpq", None)
+    """A DeepSpeed ZeRO engine: what DeepSpeed keeps (read through sdpq.deepspeed, where DeepSpeed's
+    internals are named), its optimizer's states, and sdpq's."""
+    from .integrations import deepspeed as sdpq_deepspeed
+
+    ledger.add_all(sdpq_deepspeed.framework_tensors(engine))
+    ledger.add_all(_optimizer_tensors(sdpq_deepspeed.stepped_optimizer(engine)))
+    adapter = sdpq_deepspeed.get_adapter(engine)
     if adapter is not None:
         ledger.add_all(adapter.held_tensors())
-    return sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    return sdpq_deepspeed.model_numel(engine)
 
 
 def live_tensor_bytes(device: torch.device | str | None = None) -> int:
@@ -226,12 +204,23 @@ def live_tensor_bytes(device: torch.device | str | None = None) -> int:
     return total
 
 
+def _is_deepspeed_engine(target) -> bool:
+    """Whether target is a DeepSpeed engine (DeepSpeed is not imported to find out)."""
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return False
+    from .integrations import deepspeed as sdpq_deepspeed
+
+    return sdpq_deepspeed.is_engine(target)
+
+
 def report(target, optimizer=None, *, transients: TransientPeaks | None = None) -> MemoryReport:
     """What this rank keeps, by kind (see the module docstring). `target`: an FSDP2 or DDP model
     (sdpq applied or not; pass its `optimizer`) or a DeepSpeed ZeRO engine (its own optimizer is
     read). `transients`: what `sdpq.memory.transients()` measured. Not collective."""
     ledger = _Ledger()
-    if hasattr(target, "optimizer") and hasattr(target, "module") and hasattr(target.optimizer, "optimizer"):
+    if _is_deepspeed_engine(target):
         numel = _deepspeed_report(target, ledger)
     elif isinstance(target, nn.Module):
         numel = _module_report(target, optimizer, ledger)

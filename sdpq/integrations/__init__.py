@@ -1,20 +1,32 @@
 """Thin adapters that install sdpq's collectives and optimizer into training frameworks.
 
 - `sdpq.integrations.fsdp` (exposed as `sdpq.fsdp`): PyTorch FSDP2 (`fully_shard`).
-- `sdpq.integrations.deepspeed` (exposed as `sdpq.deepspeed`): DeepSpeed ZeRO-3.
+- `sdpq.integrations.deepspeed` (exposed as `sdpq.deepspeed`): DeepSpeed ZeRO-1, -2 and -3.
+- `sdpq.integrations.ddp` (exposed as `sdpq.ddp`): PyTorch DDP.
 
 Submodules are imported on demand, so using one framework never imports the other. Exported
 here, without importing torch.distributed or DeepSpeed: the DeepSpeed config check that
-`sdpq config --check` runs, and the post-import hook `import sdpq` installs.
+`sdpq config --check` runs, the config sdpq runs with at a ZeRO stage and ZeRO-3's weight group
+(what `sdpq plan` plans with), and the post-import hook `import sdpq` installs (and its removal).
 """
 
 import sys
 
-from ._ds_config import IncompatibleConfigError
+from ._ds_config import IncompatibleConfigError, zero3_weight_group
 from ._ds_config import check_config as check_deepspeed_config
+from ._ds_config import config_at_stage as deepspeed_config_at_stage
 from ._ds_hook import install as install_deepspeed_hook
+from ._ds_hook import uninstall as uninstall_deepspeed_hook
 
-__all__ = ["IncompatibleConfigError", "check_deepspeed_config", "install_deepspeed_hook", "mark_weights_changed"]
+__all__ = [
+    "IncompatibleConfigError",
+    "check_deepspeed_config",
+    "deepspeed_config_at_stage",
+    "install_deepspeed_hook",
+    "mark_weights_changed",
+    "uninstall_deepspeed_hook",
+    "zero3_weight_group",
+]
 
 
 def mark_weights_changed(target, *, exact: bool = True) -> None:
@@ -28,13 +40,9 @@ def mark_weights_changed(target, *, exact: bool = True) -> None:
     if fsdp is not None and fsdp.is_applied(target):
         fsdp.mark_weights_changed(target, exact=exact)
         return
-    ds = sys.modules.get(__name__ + "._ds_adapter")
-    if ds is not None and isinstance(getattr(target, "sdpq", None), ds.DeepSpeedAdapter):
-        target.sdpq.mark_weights_changed(exact=exact)
-        return
-    z12 = sys.modules.get(__name__ + "._ds_zero12")
-    if z12 is not None and isinstance(getattr(target, "sdpq", None), z12.Zero12Adapter):
-        target.sdpq.mark_weights_changed()  # ZeRO-1/2 keep no reference: the next gather is exact
+    ds = sys.modules.get(__name__ + "._ds_base")
+    if ds is not None and isinstance(getattr(target, "sdpq", None), ds.DeepSpeedAdapterBase):
+        target.sdpq.mark_weights_changed(exact=exact)  # ZeRO-1/2: the next gathers are exact whatever `exact` says
         return
     raise TypeError(
         f"sdpq.mark_weights_changed: {type(target).__name__} has no sdpq weight gathers; expected an "

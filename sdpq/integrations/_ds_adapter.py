@@ -42,97 +42,59 @@ What is patched, and why there (DeepSpeed 0.19.8):
   like DeepSpeed's own gather, each is copied to the accelerator first.
 - optimizer memory, opt-in (`workarounds.deepspeed_alias_bf16_master`): with sdpq AdamW on bf16
   master partitions (MCF), the master partition list is pointed at the compute partitions
-  (`_ds_bf16_master.py`), the aliasing ZeRO-3 intends but misses (it compares a torch.device
-  with a string), saving a redundant bf16 copy.
+  (`_ds_zero3_internals.alias_bf16_master`), the aliasing ZeRO-3 intends but misses (it compares
+  a torch.device with a string), saving a redundant bf16 copy.
+
+Every DeepSpeed name the hooks use is in _ds_zero3_internals.py; the lifecycle (install and undo,
+checkpoints, statistics) is the adapters' base (_ds_base.py), the checkpoint state
+_ds_zero3_state.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
 
 import torch
 
 from .._memprobe import hook_span
-from ..comm import CommStats, GradReduceScatter, Topology, WeightGather, gather_coalesced
+from ..comm import GradReduceScatter, WeightGather, gather_coalesced
 from ..comm.agreement import agreement_batch, check_agreement
 from ..comm.hotpath import hot_path
-from ..comm.stats import process_stats, register_holder
-from ..config import Config
-from ._ds_bf16_master import alias_bf16_master
-from ._ds_checkpoint import STATE_FILE, CheckpointMixin, wrap_engine
-from ._ds_grads import GradientsMixin, with_suppress
-from ._ds_monitor import install_monitor
+from . import _ds_zero3_internals as ds3
+from ._ds_base import engine_stats as _engine_stats  # noqa: F401  (the holder sdpq.stats keeps)
+from ._ds_checkpoint import STATE_FILE
+from ._ds_config import zero3_weight_group
+from ._ds_grads import GradientsMixin
+from ._ds_zero3_state import Zero3StateMixin
 
 __all__ = ["DeepSpeedAdapter", "STATE_FILE"]
 
 
-def _status():
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return ZeroParamStatus
-
-
-class _Done:
-    """Handle of a gather that already finished; wait() makes the parameters AVAILABLE."""
-
-    def __init__(self, params):
-        self.params = params
-        self.complete = False
-
-    def wait(self, handle_dependency: bool = True) -> None:
-        if self.complete:
-            return
-        status = _status()
-        for p in self.params:
-            assert p.ds_status == status.INFLIGHT, p.ds_summary()
-            p.ds_status = status.AVAILABLE
-        self.complete = True
-
-
-class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
+class DeepSpeedAdapter(GradientsMixin, Zero3StateMixin):
     """sdpq's state for one ZeRO-3 engine (``engine.sdpq``): topology, the per-parameter weight
     gathers, the per-bucket gradient reduce-scatters, and the installed hooks.
 
     Built by ``sdpq.deepspeed.initialize`` on every rank (collective: it creates the node groups).
-    Its gradient path is in _ds_grads.py, its checkpoint methods (``state_dict``,
-    ``load_state_dict``) in _ds_checkpoint.py.
+    Its gradient path is in _ds_grads.py, its checkpoint state in _ds_zero3_state.py.
     """
 
-    def __init__(self, engine, config: Config):
-        self.engine = engine
-        self.config = config
-        self.optimizer = engine.optimizer
-        # This engine's counters (sdpq.stats.of(engine)); the process-wide ones get every record too.
-        self.stats = CommStats(config=config.stats, parent=process_stats())
-        self.topology = Topology.build(config.topology)
-        self.params: dict[int, Any] = {}
-        for p in engine.module.parameters():
+    def _setup(self) -> None:
+        self.params = {}
+        for p in self.engine.module.parameters():
             self.params.setdefault(p.ds_id, p)
         # Checkpoints name parameters by position: ds_id numbering continues across engines.
         self._index = {i: n for n, i in enumerate(self.params)}
         self._ds_id = list(self.params)
-        self.weights: dict[int, WeightGather] = {}
         self.grads: dict[tuple, GradReduceScatter] = {}
-        self._undo: list = []
-        # Note: one agreement collective for the engine and every WeightGather (the hooks build
-        # none; a rank that disagrees fails here, with the same error on every rank).
-        with agreement_batch("sdpq.deepspeed.initialize", self.topology.world_group):
-            check_agreement("engine", self._shaping_settings(), self.topology.world_group)
-            for p in self.params.values():
-                self.weights[p.ds_id] = self._build_weight_gather(p)
+        self.weights = self._build_weight_gathers()
         self._check_partitions()
-        try:
-            self._install_weights()
-            self._install_grads()
-            self._install_engine()
-            install_monitor(self)
-            if self.config.workarounds.deepspeed_alias_bf16_master:
-                self._undo += alias_bf16_master(self.optimizer)
-        except BaseException:
-            self.remove()
-            raise
+
+    def _install(self) -> None:
+        self._install_weights()
+        self._install_grads()
+        if self.config.workarounds.deepspeed_alias_bf16_master:
+            for undo in ds3.alias_bf16_master(self.optimizer):
+                self.on_remove(undo)
 
     # ------------------------------------------------------------------ public API
 
@@ -152,38 +114,34 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         for rs in self.grads.values():
             yield from rs.held_tensors()
 
-    def remove(self) -> None:
-        """Undo every hook (DeepSpeed behaves as if sdpq was never installed). Idempotent."""
-        while self._undo:
-            self._undo.pop()()
-        if getattr(self.engine, "sdpq", None) is self:
-            with_suppress(lambda: delattr(self.engine, "sdpq"))
-
     # ------------------------------------------------------------------ weights
 
     def _shaping_settings(self) -> dict:
         """What every rank must hold alike for the collectives built here and at run time: the
         config, the layout, every parameter's sizes (in ds_id order) and the ZeRO-3 settings that
         cut gradient buckets. Given these, a bucket's GradReduceScatter follows from its parameters."""
-        z = self.optimizer
         return {
             "config": self.config.to_dict(),
             "layout": self.topology.layout,
             "params": [(p.ds_numel, p.ds_tensor.ds_numel, str(p.ds_tensor.dtype)) for p in self.params.values()],
-            "buckets": {
-                n: str(getattr(z, n, None))
-                for n in ("reduce_bucket_size", "contiguous_gradients", "reduce_scatter", "communication_data_type")
-            },
+            "buckets": ds3.bucket_settings(self.optimizer),
         }
+
+    def _build_weight_gathers(self) -> dict[int, WeightGather]:
+        """Every parameter's gather, version 0 (at set-up, and when a checkpoint load rebuilds).
+        Note: one agreement collective for the engine and every WeightGather (the hooks build
+        none; a rank that disagrees fails here, with the same error on every rank)."""
+        world = self.topology.world_group
+        with agreement_batch("sdpq.deepspeed.initialize", world):
+            check_agreement("engine", self._shaping_settings(), world)
+            return {p.ds_id: self._build_weight_gather(p) for p in self.params.values()}
 
     def _build_weight_gather(self, p) -> WeightGather:
         """The parameter's gather (at initialize; its agreement check is collected there)."""
         wcfg = self.config.weights
-        # Note: the wire pads codes to whole groups; a small parameter's shard (a bias, a norm)
-        # would send a full 2048-code group. Cap the group at the shard size (power of two).
-        cap = max(32, 1 << max(0, p.ds_tensor.ds_numel - 1).bit_length())
-        if cap < wcfg.group_size:
-            wcfg = dataclasses.replace(wcfg, group_size=cap)
+        group = zero3_weight_group(p.ds_tensor.ds_numel, wcfg.group_size)
+        if group != wcfg.group_size:
+            wcfg = dataclasses.replace(wcfg, group_size=group)
         return WeightGather(
             p.ds_numel,
             self.topology,
@@ -236,7 +194,7 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             p.data = out.view(p.ds_shape)
 
     def _all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False):
-        status = _status()
+        status = ds3.param_status()
         params = list(params)
         if quantize:
             raise RuntimeError("sdpq: a quantized ZeRO++ gather was requested while sdpq owns the weight path")
@@ -246,18 +204,16 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
             p.ds_status = status.INFLIGHT
         params.sort(key=lambda p: p.ds_id)
         if safe_mode:
-            from deepspeed.runtime.utils import assert_ints_same_as_other_ranks
-
-            assert_ints_same_as_other_ranks([p.ds_id for p in params])
+            ds3.assert_same_on_every_rank([p.ds_id for p in params])
         with hot_path("DeepSpeed ZeRO-3 parameter all-gather"):
             self._gather_into(params)
-        return _Done(params)
+        return ds3.GatherDone(params)
 
     def _all_gather(self, orig, owner, param_list=None, async_op=False, hierarchy=0):
         # Persistent parameters (gathered after every step and at checkpoint epilogues) take the
         # sdpq path; others are gathered here only by GatheredParameters / state-dict export,
         # which must see the exact weights: DeepSpeed's own gather.
-        status = _status()
+        status = ds3.param_status()
         plist = [owner] if param_list is None else list(param_list)
         ours = [p for p in plist if p.ds_persist and p.ds_status == status.NOT_AVAILABLE and p.ds_id in self.params]
         mine = {id(p) for p in ours}
@@ -280,54 +236,17 @@ class DeepSpeedAdapter(GradientsMixin, CheckpointMixin):
         return ret
 
     def _install_weights(self) -> None:
-        for p in self.params.values():
+        for group in ds3.process_groups(self.engine, self.params.values()):
             # sdpq's node groups span the world: ZeRO must shard every parameter over all ranks
             # (no model parallelism, MiCS or hpZ sub-groups). Raises TopologyError otherwise.
-            self.topology.check_group(getattr(p, "ds_process_group", None))
-        self.topology.check_group(getattr(self.optimizer, "dp_process_group", None))
+            self.topology.check_group(group)
         for p in self.params.values():
-            saved = {n: p.__dict__[n] for n in ("all_gather_coalesced", "all_gather", "partition")}
-            p.all_gather_coalesced = self._all_gather_coalesced
-            p.all_gather = functools.partial(self._all_gather, saved["all_gather"], p)
-            p.partition = functools.partial(self._partition, saved["partition"], p)
-
-            def undo(p=p, saved=saved):
-                for n, f in saved.items():
-                    setattr(p, n, f)
-
-            self._undo.append(undo)
-
-        opt = self.optimizer
-        orig_reassign = opt._reassign_or_swap_out_partitioned_parameters
-
-        def reassign(sub_group_id, *a, **kw):
-            ret = orig_reassign(sub_group_id, *a, **kw)
-            # The step just wrote these partitions; _post_step re-gathers the persistent ones next.
-            self.mark_weights_changed(opt.fp16_groups[sub_group_id], exact=False)
-            return ret
-
-        opt._reassign_or_swap_out_partitioned_parameters = reassign
-        self._undo.append(lambda: with_suppress(lambda: delattr(opt, "_reassign_or_swap_out_partitioned_parameters")))
-
-    # ------------------------------------------------------------------ engine: checkpoints, teardown
-
-    def _install_engine(self) -> None:
-        self._undo.append(
-            wrap_engine(self.engine, self.state_dict, self._state_path, self._after_load, self.remove, self._agree)
-        )
-        self.engine.sdpq = self
+            ds3.hook_param(self.patch, p, self._all_gather_coalesced, self._all_gather, self._partition)
+        # The step just wrote these partitions; _post_step re-gathers the persistent ones next.
+        ds3.on_partitions_written(self.patch, self.optimizer, lambda ps: self.mark_weights_changed(ps, exact=False))
 
     def _regather_available(self) -> None:
         """Re-gather the parameters DeepSpeed keeps gathered (after their references changed)."""
-        status = _status()
+        status = ds3.param_status()
         available = [p for p in self.params.values() if p.ds_status == status.AVAILABLE]
         self._gather_into(sorted(available, key=lambda p: p.ds_id))
-
-
-def _engine_stats(engine: object) -> CommStats | None:
-    """sdpq.stats.of(engine) for an engine from sdpq.deepspeed.initialize (``engine.sdpq``)."""
-    adapter = getattr(engine, "sdpq", None)
-    return adapter.stats if isinstance(adapter, DeepSpeedAdapter) else None
-
-
-register_holder(_engine_stats)

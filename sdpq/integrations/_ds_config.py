@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from ..config import ADAMW_HYPERPARAMETERS, Config, ConfigError, check_adamw_hyperparameters
 
-__all__ = ["IncompatibleConfigError", "check_config", "prepare_config"]
+__all__ = ["IncompatibleConfigError", "check_config", "config_at_stage", "prepare_config", "zero3_weight_group"]
 
 
 class IncompatibleConfigError(ValueError):
@@ -96,8 +96,10 @@ def _sdpq_optimizer(ds: dict, cfg: Config, a: dict):
     return build
 
 
-def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
-    """Check the DeepSpeed config against the block; return the config DeepSpeed gets."""
+def prepare_config(ds: dict, cfg: Config, a: dict) -> tuple[dict, Config]:
+    """Check the DeepSpeed config against the block; return the config DeepSpeed gets and the
+    config sdpq runs with (`config_at_stage`). With sdpq's optimizer, a["optimizer"] becomes the
+    callable that builds it."""
     zero = ds.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
     if stage not in (1, 2, 3):
@@ -107,7 +109,8 @@ def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
             f'plain data parallelism, or remove the "sdpq" block (or leave it empty) to train with plain DeepSpeed'
         )
     if stage < 3:
-        cfg = _check_zero12(ds, zero, cfg, stage)
+        _check_zero12(ds, zero, cfg, stage)
+    cfg = config_at_stage(cfg, stage)
     clash = [
         k
         for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
@@ -137,7 +140,30 @@ def prepare_config(ds: dict, cfg: Config, a: dict) -> dict:
     if cfg.optimizer.enabled:
         a["optimizer"] = _sdpq_optimizer(ds, cfg, a)
         _hand_the_optimizer_to_sdpq(out, zero, cfg)
-    return out
+    return out, cfg
+
+
+def config_at_stage(cfg: Config, stage: int) -> Config:
+    """The config sdpq runs with at ZeRO `stage` (what `engine.sdpq.config` and a run's record
+    show, and what `sdpq plan` plans): at stages 1-2 sdpq's AdamW keeps a native fp32 master
+    where the block leaves the MCF default, because DeepSpeed runs its bf16 master-weights mode
+    (which the MCF master uses) at those stages only with CPU offload. An explicit "mcf" there is
+    refused by `prepare_config`.
+
+    Note: the one place this rule is written (sdpq.deepspeed.initialize and sdpq.plan use it)."""
+    if stage < 3 and cfg.optimizer.enabled and cfg.optimizer.master == "mcf":
+        return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, master="native"))
+    return cfg
+
+
+def zero3_weight_group(shard_numel: int, group_size: int) -> int:
+    """The weights' quantization group of a ZeRO-3 parameter whose partition holds `shard_numel`
+    elements: the config's `group_size`, capped at the partition rounded up to a power of two
+    (at least 32). The wire pads codes to whole groups, so a small parameter's partition (a bias,
+    a norm) would otherwise send a full 2048-code group.
+
+    Note: the one place this cap is written (the ZeRO-3 adapter and sdpq.plan use it)."""
+    return min(group_size, max(32, 1 << max(0, shard_numel - 1).bit_length()))
 
 
 def _hand_the_optimizer_to_sdpq(out: dict, zero: Mapping, cfg: Config) -> None:
@@ -166,10 +192,9 @@ def _hand_the_optimizer_to_sdpq(out: dict, zero: Mapping, cfg: Config) -> None:
         out[key] = dict(out.get(key) or {}, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
 
 
-def _check_zero12(ds: dict, zero: Mapping, cfg: Config, stage: int) -> Config:
-    """ZeRO-1/2 with the block: what is refused, and the optimizer's master (an MCF master needs
-    DeepSpeed's bf16 master-weights mode, which ZeRO-1/2 run only with CPU offload). Returns the
-    config the optimizer is built from."""
+def _check_zero12(ds: dict, zero: Mapping, cfg: Config, stage: int) -> None:
+    """ZeRO-1/2 with the block: what is refused (an explicit MCF master among them: see
+    `config_at_stage`)."""
     where = f"ZeRO-{stage}"
     refuse = []
     offload = zero.get("offload_optimizer") or {}
@@ -185,14 +210,11 @@ def _check_zero12(ds: dict, zero: Mapping, cfg: Config, stage: int) -> Config:
     if refuse:
         raise IncompatibleConfigError(f'the "sdpq" block with {where}: {refuse[0]}')
     raw = (ds.get("sdpq") or {}).get("optimizer") or {}
-    if cfg.optimizer.enabled and cfg.optimizer.master == "mcf":
-        if isinstance(raw, Mapping) and raw.get("master") == "mcf":
-            raise IncompatibleConfigError(
-                f"sdpq.optimizer.master 'mcf' with {where}: DeepSpeed's bf16 master-weights mode, which the MCF "
-                'master uses, runs at stages 1-2 only with CPU offload; use "master": "native" (the default there)'
-            )
-        cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, master="native"))
-    return cfg
+    if cfg.optimizer.enabled and isinstance(raw, Mapping) and raw.get("master") == "mcf":
+        raise IncompatibleConfigError(
+            f"sdpq.optimizer.master 'mcf' with {where}: DeepSpeed's bf16 master-weights mode, which the MCF "
+            'master uses, runs at stages 1-2 only with CPU offload; use "master": "native" (the default there)'
+        )
 
 
 def check_config(ds: Mapping, cfg: Config) -> None:

@@ -1,9 +1,6 @@
 """ZeRO-3's gradient reduce-scatter on sdpq's collective (a part of DeepSpeedAdapter, see
-_ds_adapter.py for what is patched and why).
-
-`stage3.reduce_scatter_coalesced` is the module-level name `__avg_scatter_grads` calls; it is
-replaced (once for all engines of the process) by a dispatcher that takes sdpq's path while an
-engine's `__avg_scatter_grads`, wrapped per instance to learn the bucket's parameters, runs.
+_ds_adapter.py for what is patched and why; the patching itself is _ds_zero3_internals.py's
+`hook_gradient_buckets`): DeepSpeed's layout and averaging, sdpq's two-level exchange.
 
 Note (hot path): the reduce-scatter runs inside `hot_path` and runs no collective but the data
 exchange. ZeRO-3 cuts buckets at run time, so a bucket's GradReduceScatter is built at its first
@@ -15,9 +12,6 @@ every rank forming the same buckets (the same backward order).
 
 from __future__ import annotations
 
-import contextvars
-from typing import Any
-
 import torch
 
 from .._memprobe import hook_span
@@ -25,41 +19,16 @@ from ..comm import GradReduceScatter
 from ..comm.agreement import agreed_at_setup
 from ..comm.hotpath import hot_path
 from ..comm.segments import interleaved_segments
+from . import _ds_zero3_internals
 from ._ds_state import AdapterState
 
-__all__ = ["GradientsMixin", "with_suppress"]
-
-# (adapter, bucket key) while an adapter's __avg_scatter_grads runs; read by the dispatcher.
-_ACTIVE_BUCKET: contextvars.ContextVar = contextvars.ContextVar("sdpq_ds_bucket", default=None)
-_RS_PATCH: dict[str, Any] = {"count": 0, "orig": None}
-_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
-
-
-def _stage3():
-    import deepspeed.runtime.zero.stage3 as stage3
-
-    return stage3
-
-
-def _dispatch_reduce_scatter_coalesced(tensors, group=None):
-    active = _ACTIVE_BUCKET.get()
-    if active is None:
-        return _RS_PATCH["orig"](tensors, group)
-    adapter, key = active
-    return adapter._reduce_scatter_coalesced(key, tensors, group)
+__all__ = ["GradientsMixin"]
 
 
 def _row_width(p) -> int:
     """A parameter's row width (its last dim), 0 for a 1-D one."""
     shape = tuple(getattr(p, "ds_shape", p.shape))
     return int(shape[-1]) if len(shape) > 1 else 0
-
-
-def with_suppress(fn) -> None:
-    try:
-        fn()
-    except (AttributeError, KeyError):
-        pass
 
 
 class GradientsMixin(AdapterState):
@@ -130,30 +99,5 @@ class GradientsMixin(AdapterState):
         return res
 
     def _install_grads(self) -> None:
-        stage3 = _stage3()
-        if _RS_PATCH["count"] == 0:
-            _RS_PATCH["orig"] = stage3.reduce_scatter_coalesced
-            stage3.reduce_scatter_coalesced = _dispatch_reduce_scatter_coalesced
-        _RS_PATCH["count"] += 1
-
-        def unpatch():
-            _RS_PATCH["count"] -= 1
-            if _RS_PATCH["count"] == 0:
-                stage3.reduce_scatter_coalesced = _RS_PATCH["orig"]
-                _RS_PATCH["orig"] = None
-
-        self._undo.append(unpatch)
-
-        opt = self.optimizer
-        orig = getattr(opt, _AVG_SCATTER)
-
-        def avg_scatter_grads(params_to_reduce, communication_data_type, *a, **kw):
-            key = tuple(p.ds_id for p in params_to_reduce)
-            token = _ACTIVE_BUCKET.set((self, key))
-            try:
-                return orig(params_to_reduce, communication_data_type, *a, **kw)
-            finally:
-                _ACTIVE_BUCKET.reset(token)
-
-        setattr(opt, _AVG_SCATTER, avg_scatter_grads)
-        self._undo.append(lambda: with_suppress(lambda: delattr(opt, _AVG_SCATTER)))
+        hook = _ds_zero3_internals.hook_gradient_buckets
+        self.on_remove(hook(self.patch, self.optimizer, self._reduce_scatter_coalesced))

@@ -49,5 +49,4 @@ def install_monitor(adapter) -> None:
             last.update(now)
         return out
 
-    eng.step = step
-    adapter._undo.append(lambda: eng.__dict__.pop("step", None))
+    adapter.patch(eng, "step", step)

@@ -1,4 +1,4 @@
-"""What the parts of DeepSpeedAdapter share (_ds_adapter.py, _ds_grads.py, _ds_checkpoint.py):
+"""What the parts of DeepSpeedAdapter share (_ds_adapter.py, _ds_grads.py, _ds_zero3_state.py):
 declared once here, for readers and for the type checker."""
 
 from __future__ import annotations
@@ -7,27 +7,21 @@ from typing import Any
 
 import torch
 
-from ..comm import CommStats, GradReduceScatter, Topology, WeightGather
+from ..comm import GradReduceScatter, WeightGather
 from ..comm.device import comm_device
-from ..config import Config
+from ._ds_base import DeepSpeedAdapterBase
 
 __all__ = ["AdapterState"]
 
 
-class AdapterState:
-    """The attributes DeepSpeedAdapter.__init__ sets and the methods each part provides."""
+class AdapterState(DeepSpeedAdapterBase):
+    """The attributes DeepSpeedAdapter._setup sets and the methods each part provides."""
 
-    engine: Any  # deepspeed.DeepSpeedEngine
-    config: Config
-    optimizer: Any  # DeepSpeedZeroOptimizer_Stage3
-    stats: CommStats
-    topology: Topology
     params: dict[int, Any]  # ds_id -> parameter
     weights: dict[int, WeightGather]  # ds_id -> its gather
     grads: dict[tuple, GradReduceScatter]  # ((ds_ids), (numels)) -> the bucket's reduce-scatter
     _index: dict[int, int]  # ds_id -> position (checkpoints name parameters by position)
     _ds_id: list[int]  # position -> ds_id
-    _undo: list  # callables that undo what was installed
 
     @property
     def _device(self) -> torch.device:
@@ -38,21 +32,16 @@ class AdapterState:
         Note: one exception, gloo with DeepSpeed on an accelerator (several ranks sharing one
         GPU, the GPU check): the buffers stay on DeepSpeed's device (``engine.device``) and
         sdpq's exchanges stage them through the host (sdpq.comm._exchange)."""
-        comm, engine = self._comm_device, torch.device(self.engine.device)
+        comm, engine = comm_device(self.topology.world_group), torch.device(self.engine.device)
         return engine if engine.type != "cpu" and comm.type == "cpu" else comm
-
-    @property
-    def _comm_device(self) -> torch.device:
-        """Where a bookkeeping tensor for a collective on the world group lives (a flag)."""
-        return comm_device(self.topology.world_group)
 
     def _weight_gather(self, p: Any) -> WeightGather:  # _ds_adapter.py
         raise NotImplementedError
 
-    def _grad_rs(self, key: tuple) -> GradReduceScatter:  # _ds_grads.py
+    def _build_weight_gathers(self) -> dict[int, WeightGather]:  # _ds_adapter.py
         raise NotImplementedError
 
-    def mark_weights_changed(self, params: Any = None, *, exact: bool = True) -> None:  # _ds_adapter.py
+    def _grad_rs(self, key: tuple) -> GradReduceScatter:  # _ds_grads.py
         raise NotImplementedError
 
     def _regather_available(self) -> None:  # _ds_adapter.py

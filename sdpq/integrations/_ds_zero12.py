@@ -16,19 +16,14 @@ so `{"weights": {"mode": "exact"}, "gradients": {"mode": "exact"}}` trains bitwi
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, OwnedReduceScatter, ReplicaDiffGather, Topology
+from ..comm import OwnedReduceScatter, ReplicaDiffGather
 from ..comm.agreement import check_agreement
 from ..comm.reference_health import ReferenceMismatchWarning
-from ..comm.stats import process_stats, register_holder
 from ..comm.weights_replicated import replicas_agree
-from ..config import Config
-from ._ds_checkpoint import state_path, wrap_engine
-from ._ds_monitor import install_monitor
 from ._ds_zero12_internals import hooks_for
 from ._ds_zero12_state import Zero12StateMixin
 
@@ -36,20 +31,17 @@ __all__ = ["Zero12Adapter"]
 
 
 class Zero12Adapter(Zero12StateMixin):
-    """sdpq's state for one ZeRO-1/2 engine (``engine.sdpq``). Built by ``sdpq.deepspeed.initialize``."""
+    """sdpq's state for one ZeRO-1/2 engine (``engine.sdpq``). Built by ``sdpq.deepspeed.initialize``;
+    its lifecycle (install and undo, checkpoints, statistics) is the adapters' base (_ds_base.py)."""
 
-    def __init__(self, engine, config: Config):
+    def _setup(self) -> None:
         from ._ds_config import IncompatibleConfigError
 
-        self.engine, self.config = engine, config
-        self.optimizer = engine.optimizer
-        self.stats = CommStats(config=config.stats, parent=process_stats())
-        self.topology = Topology.build(config.topology)
-        hooks = hooks_for(engine, self)
+        hooks = hooks_for(self.engine, self)
         if hooks is None:
             raise IncompatibleConfigError(
                 f'the "sdpq" block with ZeRO-1/2 needs DeepSpeed\'s DeepSpeedZeroOptimizer or BF16_Optimizer; '
-                f"the engine has {type(engine.optimizer).__name__}"
+                f"the engine has {type(self.optimizer).__name__}"
             )
         self.hooks = hooks
         self._check()
@@ -61,24 +53,19 @@ class Zero12Adapter(Zero12StateMixin):
         self._exact_next: set[int] = set()
         self._steps = 0
         self.exact_fallbacks = 0  # steps whose gathers were DeepSpeed's exact one (exact_fallback)
-        self._undo: list[Callable[[], object]] = []
-        try:
-            if self.grads is not None:
-                hooks.hook_gradients()
-            if config.weights.mode == "diff":
-                hooks.hook_weights()
-            self._install_engine()
-            install_monitor(self)
-            engine.sdpq = self
-        except BaseException:
-            self.remove()
-            raise
+
+    def _install(self) -> None:
+        if self.grads is not None:
+            self.hooks.hook_gradients()
+        if self.config.weights.mode == "diff":
+            self.hooks.hook_weights()
 
     # ------------------------------------------------------------------ public API
 
-    def mark_weights_changed(self) -> None:
+    def mark_weights_changed(self, params=None, *, exact: bool = True) -> None:
         """The weights changed outside the optimizer step on some rank: the next gather of every
-        group is exact. Call on every rank."""
+        group is exact, whatever `params` and `exact` say (ZeRO-1/2 keep no reference: a
+        difference would be taken from weights that differ between ranks). Call on every rank."""
         self._exact_next.update(range(len(self.hooks.flat_groups())))
 
     def held_tensors(self):
@@ -86,25 +73,7 @@ class Zero12Adapter(Zero12StateMixin):
         `gradients.error_feedback` the residuals."""
         return iter(()) if self.grads is None else self.grads.held_tensors()
 
-    def remove(self) -> None:
-        """Undo every hook (DeepSpeed behaves as if sdpq was never installed). Idempotent."""
-        while self._undo:
-            self._undo.pop()()
-        if getattr(self.engine, "sdpq", None) is self:
-            del self.engine.sdpq
-
     # ------------------------------------------------------------------ what the hooks call
-
-    def patch(self, obj, name: str, fn):
-        """obj.name = fn on the instance (the class's method is back once the attribute goes);
-        -> what obj.name was."""
-        orig = getattr(obj, name)
-        setattr(obj, name, fn)
-        self._undo.append(lambda: obj.__dict__.pop(name, None))
-        return orig
-
-    def on_remove(self, fn: Callable[[], object]) -> None:
-        self._undo.append(fn)
 
     def step_begins(self) -> None:
         """An optimizer step that goes ahead (once per step, after its gradient reductions and
@@ -157,9 +126,7 @@ class Zero12Adapter(Zero12StateMixin):
         from ._ds_config import IncompatibleConfigError
 
         world = self.topology.world_size
-        if any(dist.get_world_size(g) != world for g in self.hooks.dp_groups()) or getattr(
-            self.optimizer, "has_moe_layers", False
-        ):
+        if any(dist.get_world_size(g) != world for g in self.hooks.dp_groups()) or self.hooks.has_moe_layers():
             raise IncompatibleConfigError(
                 'the "sdpq" block with ZeRO-1/2 needs data parallelism over all ranks (no tensor, pipeline or '
                 "sequence parallel group, no MoE expert groups)"
@@ -188,25 +155,9 @@ class Zero12Adapter(Zero12StateMixin):
                 self.hooks.own_partition(i).numel(),
                 self.topology,
                 self.config.weights,
-                max_elements=int(self.optimizer.allgather_bucket_size),
+                max_elements=self.hooks.allgather_bucket_size(),
                 device=self.engine.device,
                 stats=self.config.stats,
                 record_to=self.stats,
             )
         return rg
-
-    def _install_engine(self) -> None:
-        self._undo.append(
-            wrap_engine(self.engine, self.state_dict, self._state_path, self._after_load, self.remove, self._agree)
-        )
-
-    def _state_path(self, ckpt_dir: str) -> str:
-        return state_path(ckpt_dir, self.topology.rank)
-
-
-def _engine_stats(engine: object) -> CommStats | None:
-    adapter = getattr(engine, "sdpq", None)
-    return adapter.stats if isinstance(adapter, Zero12Adapter) else None
-
-
-register_holder(_engine_stats)

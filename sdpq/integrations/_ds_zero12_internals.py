@@ -1,4 +1,5 @@
-"""Everything sdpq's ZeRO-1/2 adapter touches inside DeepSpeed (tested with 0.19.8).
+"""Everything sdpq's ZeRO-1/2 adapter (and sdpq.memory, at stages 1-2) touches inside DeepSpeed
+(checked against 0.19.8: `CHECKED_DEEPSPEED`).
 
 DeepSpeed builds one of two optimizers at stages 1-2, and each gets a hooks class here:
 
@@ -14,7 +15,8 @@ DeepSpeed builds one of two optimizers at stages 1-2, and each gets a hooks clas
   DeepSpeed's exact gather).
 
 A DeepSpeed release that renames one of the names used below breaks here, nowhere else
-(docs/zero12.md lists them).
+(docs/zero12.md lists them; tests/integrations/test_deepspeed_internals.py checks that no other
+sdpq file names a private DeepSpeed module or attribute).
 
 Note (contract of the gradient hooks): on return, the pieces of each partition hold, on the
 partition's owner, the average over the data-parallel group; what other ranks hold there is not
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,8 +45,11 @@ from .._memprobe import hook_span
 from ..comm import Piece, flat_pieces
 from ..comm.hotpath import hot_path
 from ..quant import true_div
+from ._ds_patch import ProcessPatch
 
-__all__ = ["hooks_for"]
+__all__ = ["ALL_GATHER_DP_GROUPS", "CHECKED_DEEPSPEED", "framework_tensors", "hooks_for"]
+
+CHECKED_DEEPSPEED = ("0.19.8",)
 
 # id(the optimizer's list of flat bf16 groups) -> hooks; the dispatcher's lookup.
 _GATHERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -77,6 +83,13 @@ class _Hooks:
 
     def dp_groups(self) -> list:
         return list(self.opt.real_dp_process_group)
+
+    def has_moe_layers(self) -> bool:
+        return bool(getattr(self.opt, "has_moe_layers", False))
+
+    def allgather_bucket_size(self) -> int:
+        """Elements per weight gather (ReplicaDiffGather's transient buffers scale with it)."""
+        return int(self.opt.allgather_bucket_size)
 
     def bucket_settings(self) -> dict:
         return {n: str(getattr(self.opt, n, None)) for n in ("reduce_bucket_size", "allgather_bucket_size")}
@@ -158,7 +171,7 @@ class ZeroOptimizerHooks(_Hooks):
     def hook_weights(self) -> None:
         self._old = {}  # group -> own partition before this step
         self._hook_step()
-        _install_dispatcher()
+        self.adapter.on_remove(ALL_GATHER_DP_GROUPS.acquire())
         key = id(self.opt.bit16_groups_flat)
         _GATHERS[key] = self
         self.adapter.on_remove(lambda: _GATHERS.pop(key, None))
@@ -300,14 +313,15 @@ def hooks_for(engine, adapter) -> _Hooks | None:
     return None
 
 
-def _install_dispatcher() -> None:
-    """Replace stage_1_and_2.all_gather_dp_groups by a dispatcher (once per process): the hooks
-    take the gathers that follow their optimizer's own step, DeepSpeed the rest."""
-    from deepspeed.runtime.zero import stage_1_and_2 as mod
+def _stage_1_and_2():
+    from deepspeed.runtime.zero import stage_1_and_2
 
-    if getattr(mod.all_gather_dp_groups, "__sdpq_original__", None) is not None:
-        return
-    original = mod.all_gather_dp_groups
+    return stage_1_and_2
+
+
+def _dispatcher(original):
+    """stage_1_and_2.all_gather_dp_groups for the whole process: the hooks take the gathers that
+    follow their optimizer's own step, DeepSpeed the rest."""
 
     def all_gather_dp_groups(groups_flat, *args: Any, **kwargs: Any):
         hooks = _GATHERS.get(id(groups_flat))
@@ -315,5 +329,29 @@ def _install_dispatcher() -> None:
             return original(groups_flat, *args, **kwargs)
         return None
 
-    all_gather_dp_groups.__sdpq_original__ = original  # type: ignore[attr-defined]
-    mod.all_gather_dp_groups = all_gather_dp_groups
+    return all_gather_dp_groups
+
+
+ALL_GATHER_DP_GROUPS = ProcessPatch(_stage_1_and_2, "all_gather_dp_groups", _dispatcher)
+
+
+def framework_tensors(engine) -> Iterator[tuple[str, Any]]:
+    """(sdpq.memory kind, tensor or None) of what DeepSpeed keeps at stages 1-2 (and for any other
+    optimizer than ZeRO-3's, the module's gradients): the flat bf16 groups; the gradients (ZeRO-2's
+    contiguous partition, the contiguous reduce buckets, BF16_Optimizer's fp32 buffers, the
+    parameters' .grad); the fp32 master partitions (and their gradients)."""
+    z = engine.optimizer
+    hooks = next((h for h in (ZeroOptimizerHooks, Bf16OptimizerHooks) if hasattr(z, h.FLAT)), None)
+    for t in getattr(z, hooks.FLAT, ()) if hooks else ():
+        yield "parameters", t
+    yield "gradients", getattr(z, "grads_in_partition", None)
+    for bucket in getattr(z, "ipg_buckets", {}).values():
+        for t in bucket.buffer:
+            yield "gradients", t
+    for t in getattr(z, "fp32_groups_gradients_flat", ()):
+        yield "gradients", t
+    for p in engine.module.parameters():
+        yield "gradients", p.grad
+    for t in getattr(z, hooks.MASTERS, ()) if hooks else ():
+        yield "master", t
+        yield "gradients", t.grad

@@ -1,49 +1,44 @@
-"""The ZeRO-1/2 adapter's checkpoint state (one `sdpq_rank*.pt` per rank, written and read by
-_ds_checkpoint.wrap_engine as ZeRO-3's is).
+"""The ZeRO-1/2 adapter's checkpoint state (one `sdpq_rank*.pt` per rank; saved and loaded by the
+adapters' base, _ds_base.py, as ZeRO-3's is).
 
 What it holds: the step count and the groups whose next gather is exact (they decide which
 collectives a step runs: the replica check, exact or difference gathers), each group's rounding
 stream and version count, and the gradient exchange's rounding stream, call count and
 error-feedback residuals. The weights and the fp32 masters are DeepSpeed's.
 
-Note (invariant): every decision that chooses a collective is made from state every rank holds
-alike. A rank whose file is missing, unreadable or saved for another run would otherwise keep its
-own step count while the others take the saved one, and the next replica check would run on some
-ranks only (gloo aborts: "Received data size doesn't match expected size"; NCCL hangs). So a load
-is: read and validate (never raising) -> agree, the step counts and exact-gather sets included ->
-load -> agree again. On any rank's problem every rank warns the same text and rebuilds the same
-way (`_rebuild`: step count 0, every gather exact, the replicas compared at the next step, rounding
-streams and residuals anew), as a run that starts from DeepSpeed's checkpoint without sdpq's.
+What decides the next collectives (`_schedule`, agreed at a load): the step count (the replica
+check runs at the first step and every `verify_every`) and the groups whose next gather is exact.
+A rank whose file is missing, unreadable or saved for another run would otherwise keep its own
+step count while the others take the saved one, and the next replica check would run on some
+ranks only (gloo aborts: "Received data size doesn't match expected size"; NCCL hangs). On any
+rank's problem every rank rebuilds the same way (`_rebuild`: step count 0, every gather exact, the
+replicas compared at the next step, rounding streams and residuals anew), as a run that starts
+from DeepSpeed's checkpoint without sdpq's.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections import Counter
 from typing import Any
 
 import torch
 
-from ..comm import OwnedReduceScatter, ReplicaDiffGather, Topology
-from ..comm.device import comm_device
-from ..config import Config
-from ._ds_checkpoint import STATE_FILE, agree_on_problems, read_state, state_path
+from ..comm import OwnedReduceScatter, ReplicaDiffGather
+from ._ds_base import DeepSpeedAdapterBase
 
 __all__ = ["Zero12StateMixin"]
 
-_FORMAT = 2  # 2: with the config and DeepSpeed's partition and bucket settings (1 had neither)
-# Weights settings a resumed run may change: the state holds nothing they shape.
-_FREE = ("resync_every", "verify_every", "reference")
-_SHOWN = 3  # files named per value when the ranks' files disagree
 
+class Zero12StateMixin(DeepSpeedAdapterBase):
+    """The checkpoint state of Zero12Adapter."""
 
-class Zero12StateMixin:
-    """state_dict / load_state_dict and the checkpoint load of Zero12Adapter."""
+    FORMAT = 2  # 2: with the config and DeepSpeed's partition and bucket settings (1 had neither)
+    FREE_WEIGHTS = ("resync_every", "verify_every", "reference")  # the state holds nothing they shape
+    REBUILT = (
+        "the next weight gathers are exact, the replicas are compared at the next step, and the rounding "
+        "streams and error-feedback residuals start anew"
+    )
 
-    # Set by Zero12Adapter.__init__
-    engine: Any
-    config: Config
-    topology: Topology
+    # Set by Zero12Adapter._setup
     hooks: Any  # _ds_zero12_internals._Hooks
     grads: OwnedReduceScatter | None
     weights: dict[int, ReplicaDiffGather]
@@ -58,13 +53,8 @@ class Zero12StateMixin:
 
     # ------------------------------------------------------------------ the state
 
-    def state_dict(self) -> dict:
-        """Per-rank state for checkpoints (see the module docstring)."""
+    def _state(self) -> dict:
         return {
-            "format": _FORMAT,
-            "layout": self.topology.layout,
-            "rank": self.topology.rank,
-            "config": self.config.to_dict(),
             "deepspeed": self._deepspeed_shape(),
             "steps": self._steps,
             "exact_next": sorted(self._exact_next),
@@ -72,12 +62,7 @@ class Zero12StateMixin:
             "weights": {i: rg.state_dict() for i, rg in self.weights.items()},
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output; ValueError if it does not fit this run. Not collective:
-        a checkpoint load (`engine.load_checkpoint`) agrees across ranks around it."""
-        problem = self._incompatible(state)
-        if problem:
-            raise ValueError(f"sdpq: {problem}")
+    def _load(self, state: dict) -> None:
         self._steps, self._exact_next = int(state["steps"]), {int(i) for i in state["exact_next"]}
         if self.grads is not None:
             self.grads.load_state_dict(state["grads"])
@@ -96,40 +81,12 @@ class Zero12StateMixin:
 
     # ------------------------------------------------------------------ checkpoint load
 
-    def _after_load(self, ckpt_dir: str) -> None:
-        """DeepSpeed has loaded the weights and masters: restore this rank's sdpq state, or, if any
-        rank cannot, rebuild it on every rank alike (see the module docstring)."""
-        path = state_path(ckpt_dir, self.topology.rank)
-        state, problem = read_state(path, ckpt_dir, self._incompatible)
-        # Note: no rank may raise before the agreement (the others would wait in it).
-        problems = self._agree(problem, self._schedule(state))
-        if not problems and state is not None:  # (state is None only where there is a problem)
-            try:
-                self.load_state_dict(state)
-            except Exception as e:  # passed the checks, yet does not load: partly loaded, rebuilt below
-                problem = f"{path} does not load: {type(e).__name__}: {e}"
-            problems = self._agree(problem)
-        if problems:
-            warnings.warn(
-                f"sdpq: checkpoint {ckpt_dir}: {'; '.join(problems)}; every rank rebuilds sdpq's state: the "
-                "next weight gathers are exact, the replicas are compared at the next step, and the rounding "
-                "streams and error-feedback residuals start anew",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            self._rebuild()
-
     def _rebuild(self) -> None:
         """sdpq's state as a fresh engine's, on every rank alike, with every next gather exact."""
         self._steps = 0
         self._exact_next = set(range(len(self.hooks.flat_groups())))
         self.weights = {}  # rebuilt at their first gather: version 0, rounding streams from their seeds
         self.grads = self._new_grads()
-
-    def _agree(self, problem: str | None, same: tuple[int, ...] = ()) -> list[str]:
-        return agree_on_problems(
-            problem, self.topology, comm_device(self.topology.world_group), same, differ=self._schedules_differ
-        )
 
     def _schedule(self, state: dict | None) -> tuple[int, ...]:
         """What decides the collectives of the next steps: the step count and, per group, whether
@@ -141,39 +98,11 @@ class Zero12StateMixin:
         exact = {int(i) for i in state["exact_next"]}
         return (int(state["steps"]), *(int(i in exact) for i in range(n)))
 
-    def _schedules_differ(self, values: list[tuple[int, ...]]) -> str:
-        """The ranks' files were saved at different steps (one from another checkpoint of the
-        run?): which files at which step, the rarest first."""
-        by_value: dict[tuple[int, ...], list[int]] = {}
-        for r, v in enumerate(values):
-            by_value.setdefault(v, []).append(r)
-        parts = []
-        for v, _ in sorted(Counter(values).items(), key=lambda kv: kv[1]):
-            ranks = by_value[v]
-            files = ", ".join(f"rank {r} ({STATE_FILE.format(rank=r)})" for r in ranks[:_SHOWN])
-            more = f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else ""
-            exact = [i for i, b in enumerate(v[1:]) if b]
-            parts.append(f"step {v[0]}{f', exact gathers next {exact}' if exact else ''} in {files}{more}")
-        return "the ranks' sdpq state files were saved at different steps: " + "; ".join(parts)
+    def _describe_schedule(self, value: tuple[int, ...]) -> str:
+        exact = [i for i, b in enumerate(value[1:]) if b]
+        return f"step {value[0]}{f', exact gathers next {exact}' if exact else ''}"
 
-    def _incompatible(self, state: dict) -> str | None:
-        """Why `state` cannot be this rank's (None: it can). Checks everything load_state_dict
-        reads, so that a file of another run is a problem here and not a failure later, on one
-        rank, inside a step."""
-        name = STATE_FILE.format(rank=self.topology.rank)
-        if state.get("format") != _FORMAT:
-            return f"{name} has state format {state.get('format')!r}, expected {_FORMAT}"
-        if (state.get("layout"), state.get("rank")) != (self.topology.layout, self.topology.rank):
-            return (
-                f"{name} was saved on rank {state.get('rank')} of layout {state.get('layout')}; this is rank "
-                f"{self.topology.rank} of {self.topology.layout}"
-            )
-        saved_cfg, mine_cfg = state.get("config") or {}, self.config.to_dict()
-        for section, free in (("weights", _FREE), ("gradients", ())):
-            saved = saved_cfg.get(section) or {}
-            for k, v in mine_cfg[section].items():
-                if k not in free and saved.get(k) != v:
-                    return f"{name} was saved with sdpq.{section}.{k} = {saved.get(k)!r}; this run has {v!r}"
+    def _state_problem(self, state: dict, name: str) -> str | None:
         if state.get("deepspeed") != self._deepspeed_shape():
             return (
                 f"{name} was saved with other DeepSpeed partitions or buckets: {state.get('deepspeed')}; this run "

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 integration (exposed as ``sdpq.deepspeed``).
+"""DeepSpeed ZeRO integration (exposed as ``sdpq.deepspeed``).
 
 ``sdpq.deepspeed.initialize(...)`` takes the arguments of ``deepspeed.initialize`` and returns
 what it returns. It reads the top-level ``"sdpq"`` block of the DeepSpeed config (strictly, via
@@ -15,40 +15,44 @@ what it returns. It reads the top-level ``"sdpq"`` block of the DeepSpeed config
 
 A section left out of the block takes its defaults (the full method); switch a path off with
 ``"weights": {"mode": "exact"}``, ``"gradients": {"mode": "exact"}``,
-``"optimizer": {"enabled": false}``. ``engine.sdpq`` is the installed ``DeepSpeedAdapter``
-(statistics, ``mark_weights_changed``, ``remove``); ``save_checkpoint`` / ``load_checkpoint``
-also save / restore sdpq's per-rank state (``sdpq_rank*.pt`` in the tag directory), so a
-resumed run continues bit for bit.
+``"optimizer": {"enabled": false}``. ``engine.sdpq`` is the installed adapter (statistics,
+``config``: the config it runs with, ``mark_weights_changed``, ``remove``); ``save_checkpoint`` /
+``load_checkpoint`` also save / restore sdpq's per-rank state (``sdpq_rank*.pt`` in the tag
+directory), so a resumed run continues bit for bit. Both adapters share one lifecycle
+(_ds_base.py); every private DeepSpeed name they use is in _ds_zero3_internals.py,
+_ds_zero12_internals.py or _ds_engine_internals.py.
 
 ZeRO stages 1 and 2 (``Zero12Adapter``, _ds_zero12.py; DeepSpeed's two ZeRO-1/2 optimizers are hooked in
 _ds_zero12_internals.py): every rank holds the full weights, so
 the weight path needs no reference: each owner sends 4-bit differences between its new master
 partition and the weights everyone holds (``sdpq.comm.ReplicaDiffGather``); each gradient bucket
 goes to the owners of its pieces through the two-level quantized exchange
-(``sdpq.comm.OwnedReduceScatter``). Stage 0 is an error (``IncompatibleConfigError``), as are the
-options docs/zero12.md lists.
+(``sdpq.comm.OwnedReduceScatter``); sdpq's AdamW keeps a native fp32 master there
+(``engine.sdpq.config.optimizer.master`` says so). Stage 0 is an error
+(``IncompatibleConfigError``), as are the options docs/zero12.md lists.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import importlib
 import inspect
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ..config import Config, ConfigError
+from . import _ds_engine_internals as engine_internals
+from . import _ds_zero3_internals, _ds_zero12_internals
 from ._ds_adapter import STATE_FILE, DeepSpeedAdapter
+from ._ds_base import DeepSpeedAdapterBase
 from ._ds_checkpoint import CheckpointSaveError
 from ._ds_config import IncompatibleConfigError, check_config, prepare_config
 from ._ds_zero12 import Zero12Adapter
 
 __all__ = [
     "initialize",
-    "wrap_deepspeed",
     "init_distributed",
     "get_adapter",
     "check_deepspeed_version",
@@ -64,7 +68,6 @@ __all__ = [
 
 TESTED_DEEPSPEED = ("0.19.8", "0.20")  # lowest tested version, first version outside the range
 ALLOW_UNTESTED_ENV = "SDPQ_ALLOW_UNTESTED_DEEPSPEED"
-KEEP_SHM_ENV = "SDPQ_DEEPSPEED_SHM_OP"
 
 
 class DeepSpeedVersionError(RuntimeError):
@@ -102,26 +105,9 @@ def check_deepspeed_version(version: str | None = None) -> str:
     return version
 
 
-def get_adapter(engine) -> DeepSpeedAdapter | None:
+def get_adapter(engine) -> DeepSpeedAdapterBase | None:
     """The sdpq adapter installed on a DeepSpeed engine, or None (plain DeepSpeed)."""
     return engine.__dict__.get("sdpq")
-
-
-@contextlib.contextmanager
-def _no_shm_op_build():
-    """The first DeepSpeed communication backend JIT-builds a shared-memory all-reduce op (~40 s
-    on CPU) that only inference all-reduce uses; ZeRO training never needs it. Skip the build
-    (unless SDPQ_DEEPSPEED_SHM_OP=1)."""
-    mod = importlib.import_module("deepspeed.comm.torch")  # Note: `deepspeed.comm.torch` is PyTorch
-    if os.environ.get(KEEP_SHM_ENV, "") not in ("", "0") or not hasattr(mod, "build_shm_op"):
-        yield
-        return
-    orig = mod.build_shm_op
-    mod.build_shm_op = lambda: None
-    try:
-        yield
-    finally:
-        mod.build_shm_op = orig
 
 
 def init_distributed(*args, **kwargs):
@@ -129,14 +115,12 @@ def init_distributed(*args, **kwargs):
     the shared-memory op JIT build that its first call would otherwise do."""
     import deepspeed
 
-    with _no_shm_op_build():
+    with engine_internals.no_shm_op_build():
         return deepspeed.init_distributed(*args, **kwargs)
 
 
 def _load_config(a: dict) -> tuple[dict | None, str | None]:
     """The DeepSpeed config as deepspeed.initialize would find it: (dict, where it came from)."""
-    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-
     args = a.get("args")
     for where, value in (
         ("config", a.get("config")),
@@ -144,7 +128,7 @@ def _load_config(a: dict) -> tuple[dict | None, str | None]:
         ("args.deepspeed_config", getattr(args, "deepspeed_config", None)),
     ):
         if value is not None:
-            return (dict(value) if isinstance(value, Mapping) else load_ds_config(value)), where
+            return (dict(value) if isinstance(value, Mapping) else engine_internals.read_config(value)), where
     return None, None
 
 
@@ -171,7 +155,7 @@ def _read_arguments(ds_initialize, args: tuple, kwargs: dict) -> tuple[dict, dic
 
 def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
     block = _block(ds)
-    with _no_shm_op_build():
+    with engine_internals.no_shm_op_build():
         if ds is None or block is None or (isinstance(block, Mapping) and len(block) == 0):
             if ds is not None and block is not None:  # an empty block: plain DeepSpeed, without the unknown key
                 a["config"] = {k: v for k, v in ds.items() if k != "sdpq"}
@@ -180,55 +164,71 @@ def _initialize(ds_initialize, a: dict, ds: dict | None, where: str | None):
         cfg = Config.from_deepspeed(ds)  # ConfigError names the key path of a typo
         assert cfg is not None  # the block is not empty
         check_deepspeed_version()
-        a["config"] = prepare_config(ds, cfg, a)
+        a["config"], cfg = prepare_config(ds, cfg, a)  # cfg: what sdpq runs with at this stage
         _drop_other_sources(a, where)
         result = ds_initialize(**a)
     engine = result[0]
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+    if _ds_zero3_internals.is_zero3(engine):
         DeepSpeedAdapter(engine, cfg)
     else:  # stages 1-2: DeepSpeedZeroOptimizer or BF16_Optimizer (anything else is refused there)
         Zero12Adapter(engine, cfg)
     return result
 
 
-def wrap_deepspeed(module) -> None:
-    """Make ``module.initialize`` (the deepspeed package's) apply a non-empty "sdpq" block and
-    pass every other config through untouched; make an engine built from a config that still
-    holds a block (it bypassed the wrapper) fail at start-up. Idempotent."""
-    original = module.initialize
-    if not hasattr(original, "__sdpq_original__"):
+def initialize_wrapper(original):
+    """What `import sdpq` puts in place of deepspeed.initialize (_ds_hook.INITIALIZE): a config
+    with a non-empty "sdpq" block goes through sdpq, every other config to `original` untouched."""
 
-        @functools.wraps(original)
-        def initialize(*args, **kwargs):
-            a, ds, where = _read_arguments(original, args, kwargs)
-            if not _block(ds):
-                return original(*args, **kwargs)
-            return _initialize(original, a, ds, where)
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        a, ds, where = _read_arguments(original, args, kwargs)
+        if not _block(ds):
+            return original(*args, **kwargs)
+        return _initialize(original, a, ds, where)
 
-        initialize.__sdpq_original__ = original  # type: ignore[attr-defined]
-        module.initialize = initialize
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    return initialize
 
-    engine_init = DeepSpeedEngine.__init__
-    if not hasattr(engine_init, "__sdpq_original__"):
 
-        @functools.wraps(engine_init)
-        def guarded_init(self, *args, **kwargs):
-            # Note: sdpq's own path removes the block before DeepSpeed sees the config.
-            ds = getattr(kwargs.get("config_class"), "_param_dict", None) or kwargs.get("config")
-            if isinstance(ds, Mapping) and _block(ds):
-                raise IncompatibleConfigError(
-                    'this DeepSpeed config has an "sdpq" block, but the engine is being built without sdpq '
-                    "(deepspeed.initialize was bound before `import sdpq`, or DeepSpeedEngine is built directly), "
-                    "so the block would be ignored: import sdpq before deepspeed, or call "
-                    "sdpq.deepspeed.initialize"
-                )
-            engine_init(self, *args, **kwargs)
+def engine_init_guard(original):
+    """What `import sdpq` puts in place of DeepSpeedEngine.__init__ (_ds_hook.ENGINE_GUARD): an
+    engine built from a config that still holds a block (it bypassed the initialize wrapper)
+    fails at start-up instead of ignoring the block."""
 
-        guarded_init.__sdpq_original__ = engine_init  # type: ignore[attr-defined]
-        DeepSpeedEngine.__init__ = guarded_init
+    @functools.wraps(original)
+    def guarded_init(self, *args, **kwargs):
+        # Note: sdpq's own path removes the block before DeepSpeed sees the config.
+        ds = engine_internals.engine_init_config(kwargs)
+        if isinstance(ds, Mapping) and _block(ds):
+            raise IncompatibleConfigError(
+                'this DeepSpeed config has an "sdpq" block, but the engine is being built without sdpq '
+                "(deepspeed.initialize was bound before `import sdpq`, or DeepSpeedEngine is built directly), "
+                "so the block would be ignored: import sdpq before deepspeed, or call "
+                "sdpq.deepspeed.initialize"
+            )
+        original(self, *args, **kwargs)
+
+    return guarded_init
+
+
+def framework_tensors(engine) -> Iterator[tuple[str, Any]]:
+    """(sdpq.memory kind, tensor or None) of what DeepSpeed keeps for a ZeRO engine: its
+    parameters, gradients and masters, in that order (sdpq.memory counts a shared storage once,
+    where it first sees it)."""
+    internals = _ds_zero3_internals if _ds_zero3_internals.is_zero3(engine) else _ds_zero12_internals
+    return internals.framework_tensors(engine)
+
+
+def stepped_optimizer(engine) -> Any:
+    """The torch optimizer DeepSpeed's ZeRO optimizer steps (None if there is none)."""
+    return getattr(engine.optimizer, "optimizer", None)
+
+
+def model_numel(engine) -> int:
+    """The model's parameter count (ZeRO-3: the full parameters, not this rank's partitions)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+
+
+is_engine = engine_internals.is_engine
 
 
 def _drop_other_sources(a: dict, where: str | None) -> None:

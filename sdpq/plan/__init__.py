@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from ..bench.scaling_model import Constants
 from ..config import Config
+from ..integrations import deepspeed_config_at_stage
 from .memory import FRAMEWORKS, Arm, rank_memory
 from .shapes import PRESETS, ModelShape, from_config, from_hf_config, from_params
 from .traffic import Link, cross_node_bytes, step_seconds
@@ -32,11 +33,11 @@ def arms_for(framework: str) -> list[Arm]:
     """The configurations a plan compares (ZeRO-3 runs sdpq with its bf16-master workaround,
     ZeRO-1/2 with a native fp32 master)."""
     extra: dict = {"workarounds": {"deepspeed_alias_bf16_master": True}} if framework == "zero3" else {}
-    if framework in ("zero1", "zero2"):  # sdpq's default there (no bf16 master mode without offload)
-        extra = {"optimizer": {"master": "native"}}
 
     def sdpq(**weights) -> Config:
-        return Config.from_dict({"weights": weights, **extra})
+        cfg = Config.from_dict({"weights": weights, **extra})
+        # The config sdpq.deepspeed runs with at this stage (ZeRO-1/2: a native fp32 master).
+        return deepspeed_config_at_stage(cfg, int(framework[-1])) if framework.startswith("zero") else cfg
 
     arms = [Arm("bf16")]
     if framework in ("zero1", "zero2"):  # full replicas: no reference to store, no ZeRO++ (ZeRO-3's)

@@ -31,6 +31,7 @@ from ..comm.chunks import chunk_layout
 from ..comm.reference import INT8_GROUP
 from ..comm.segments import aligned_group_spec, sharded_segments
 from ..config import Config
+from ..integrations import zero3_weight_group
 from ..quant import QuantSpec
 from ..quant.groupwise import SCALE_DTYPES
 
@@ -145,7 +146,8 @@ def _zero3(units: Sequence[Sequence[Shape]], world: int, nodes: int, arm: Arm, p
         out["master"] = 4 * flat
     out["optimizer_states"] = states
     out["weight_reference"] = sum(
-        _reference_bytes(cfg, nodes, p, group_cap=max(32, 1 << max(0, p - 1).bit_length())) for p in parts
+        _reference_bytes(cfg, nodes, p, group_cap=zero3_weight_group(p, cfg.weights.group_size) if cfg else None)
+        for p in parts
     )
     if arm.zeropp:  # hpZ: a bf16 secondary partition of the model inside the node
         out["weight_reference"] += 2 * sum(-(-math.prod(s) // per_node) for shapes in units for s in shapes)

@@ -159,7 +159,8 @@ def test_resume_on_other_layouts(dist, tmp_path):
         losses = res[0]["losses"]
         assert all(len(r["warned"]) == 1 for r in res), [r["warned"] for r in res]  # every rank, once
         for rank, r in enumerate(res):  # each names its own problem first
-            assert r["warned"][0].split(": ", 2)[2].startswith(f"rank {rank}: saved on rank {rank} of layout 2x2")
+            own = f"rank {rank}: {sds.STATE_FILE.format(rank=rank)} was saved on rank {rank} of layout 2x2"
+            assert r["warned"][0].split(": ", 2)[2].startswith(own), r["warned"]
             assert "restart from zero" in r["warned"][0], r["warned"]
         rel = max(abs(a - b) / b for a, b in zip(losses[3:], whole[3:]))
         print(f"DeepSpeed 2x2 -> {4 // rpn}x{rpn}: losses {losses[3:]} vs {whole[3:]}, max rel diff {rel:.4f}")

@@ -195,8 +195,12 @@ def test_ds_configs_are_valid_and_documented():
         if f in ("zero3.json", "zero3_zeropp.json"):
             assert cfg is None
             continue
-        out = sds.prepare_config(ds, cfg, {})
-        assert "sdpq" not in out and out["zero_optimization"]["stage"] == int(f[4])
+        out, runs = sds.prepare_config(ds, cfg, {})
+        stage = int(f[4])
+        assert "sdpq" not in out and out["zero_optimization"]["stage"] == stage
+        # the config sdpq runs with: at ZeRO-1/2 the MCF default becomes a native master
+        master = "native" if stage < 3 and cfg.optimizer.enabled else cfg.optimizer.master
+        assert runs.optimizer.master == master and runs.weights == cfg.weights, f
     zpp = json.load(open(os.path.join(CONFIGS, "zero3_zeropp.json")))
     with pytest.raises(sds.IncompatibleConfigError, match="ZeRO\\+\\+"):
         sds.prepare_config({**zpp, "sdpq": {"weights": {}}}, Config(), {})

@@ -45,6 +45,8 @@ def _train(ctx, stage: int | str, block: dict | None, seed: int = 0):
         "cross": cross,
         "prints": _prints(engine),
         "sdpq": sds.get_adapter(engine) is not None,
+        # the master sdpq's AdamW keeps, as the adapter reports it (and sdpq.train's run record)
+        "master": sds.get_adapter(engine).config.optimizer.master if sds.get_adapter(engine) else None,
         "optimizer": type(engine.optimizer).__name__,
         "norm": float(engine.get_global_grad_norm()),
         "live": live_tensor_bytes(),
@@ -95,6 +97,8 @@ def test_the_block_sends_a_fifth_of_the_bytes_and_keeps_replicas_equal(dist, sta
     ours = dist.run(_train, 4, 2, stage, block, 0, timeout=TIMEOUT)
     dist.discard(4)
     assert all(r["sdpq"] for r in ours)
+    if stage == "zero1":  # sdpq's AdamW with the MCF default: a native fp32 master runs, and is reported
+        assert ours[0]["master"] == "native" and ours[0]["report"]["master"] > 0
     assert all(r["prints"] == ours[0]["prints"] for r in ours), "replicas bitwise equal"
     ratio = sum(r["cross"] for r in ours) / sum(r["cross"] for r in plain)
     p, q = plain[0]["losses"], ours[0]["losses"]
@@ -140,6 +144,9 @@ def test_refusals_name_the_key():
     mcf = _config(1, {"optimizer": {"master": "mcf"}})
     with pytest.raises(sds.IncompatibleConfigError, match="'mcf' with ZeRO-1"):
         sds.check_config(mcf, sdpq.Config.from_deepspeed(mcf))
+    default = _config(1, {"weights": {"mode": "diff"}})  # the MCF default: native at stages 1-2
+    _, runs = sds.prepare_config(default, sdpq.Config.from_deepspeed(default), {})
+    assert runs.optimizer.master == "native" and sdpq.Config.from_deepspeed(default).optimizer.master == "mcf"
     stage0 = _config(0, {"weights": {}})
     with pytest.raises(sds.IncompatibleConfigError, match="stages 1, 2 and 3"):
         sds.check_config(stage0, sdpq.Config.from_deepspeed(stage0))
