@@ -10,6 +10,9 @@
   owns", pieces of any sizes (ZeRO-1/2's buckets).
 - `ReplicaDiffGather(partition_numel, topology, WeightsConfig)`: after a step over full
   replicas, every rank's weights moved by the owners' quantized differences (ZeRO-1/2).
+- `direct_group.DirectGroup(pg, rank, size)`: a group object outside torch.distributed's registry
+  (no default group needed); `GradAllReduce` and `GradReduceScatter` run on a `Topology` built
+  with such groups.
 - `all_gather_rows`, `all_gather_flat`, `reduce_scatter_flat`, `group_device`: the plain
   (unquantized) collectives sdpq's own run on, for baselines and small bookkeeping exchanges.
 - `stats`: bytes per link class and path, sampled errors (`CommStats`; read them through

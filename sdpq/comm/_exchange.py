@@ -2,6 +2,10 @@
 
 Each collective moves ONE buffer (codes and scales packed together by sdpq.quant.wire), so a
 quantized exchange costs the latency of one collective, like the unquantized one.
+
+A group is a torch.distributed group (the registry's functions run it) or a `DirectGroup` (a
+group object outside that registry, driven through its own methods: see direct_group.py); every
+collective here takes either, so the algorithms above never ask which.
 """
 
 from __future__ import annotations
@@ -10,13 +14,17 @@ import torch
 import torch.distributed as dist
 
 from .device import comm_device
+from .direct_group import DirectGroup
 
 __all__ = [
     "all_gather_flat",
     "all_gather_rows",
     "all_to_all_rows",
     "all_to_all_split",
+    "all_gather_objects",
+    "all_reduce_sum",
     "group_device",
+    "group_ranks",
     "group_size",
     "reduce_scatter_flat",
 ]
@@ -24,6 +32,18 @@ __all__ = [
 # torch >= 2.13 renamed the flat collectives (the old names warn); older releases lack the new.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    if isinstance(group, DirectGroup):
+        return group.all_gather(out, inp, async_op)
+    return _all_gather_single(out, inp, group=group, async_op=async_op)
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None, async_op=False):
+    if isinstance(group, DirectGroup):
+        return group.all_to_all(out, inp, out_splits, in_splits, async_op)
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
 def _through_host(t: torch.Tensor, group) -> bool:
@@ -39,6 +59,10 @@ def _through_host(t: torch.Tensor, group) -> bool:
 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """SUM reduce-scatter of a flat buffer (the plain, unquantized collective)."""
+    if isinstance(group, DirectGroup):
+        # Note: only the exact reduce-scatter collective takes this path; sdpq's all-reduce (the
+        # one a DirectGroup serves) sums with all_reduce_sum in its exact mode.
+        raise TypeError("reduce_scatter_flat: a DirectGroup offers all-gather, all-to-all and all-reduce only")
     if _through_host(inp, group):
         host = torch.empty(out.shape, dtype=out.dtype)
         _reduce_scatter_single(host, inp.cpu(), group=group)
@@ -51,14 +75,40 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """Every member's flat `inp` into `out`, in group-rank order (the plain, unquantized collective)."""
     if _through_host(inp, group):
         host = torch.empty(out.shape, dtype=out.dtype)
-        _all_gather_single(host, inp.cpu(), group=group)
+        _gather_into(host, inp.cpu(), group)
         out.copy_(host)
         return
-    _all_gather_single(out, inp, group=group)
+    _gather_into(out, inp, group)
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> None:
+    """t <- the sum over the group (the plain, unquantized all-reduce), in place, completed."""
+    if isinstance(group, DirectGroup):
+        group.all_reduce_sum(t)
+        return
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
 
 def group_size(group) -> int:
+    if isinstance(group, DirectGroup):
+        return group.size
     return 1 if group is None else dist.get_world_size(group)
+
+
+def group_ranks(group) -> list[int]:
+    """The members' names (global ranks) in group order."""
+    if isinstance(group, DirectGroup):
+        return list(group.ranks)
+    return dist.get_process_group_ranks(group)
+
+
+def all_gather_objects(obj, group) -> list:
+    """Every member's picklable `obj` in group order (messages and set-up only: it reads the host)."""
+    if isinstance(group, DirectGroup):
+        return group.all_gather_object(obj)
+    everyone: list = [None] * group_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
 
 def group_device(group) -> torch.device:
@@ -79,12 +129,12 @@ def all_gather_rows(row: torch.Tensor, group, async_op: bool = False, out: torch
         return (row.unsqueeze(0), None) if out is None else (out.view(1, -1).copy_(row.view(1, -1)), None)
     if _through_host(row, group):
         host = torch.empty(k * row.numel(), dtype=row.dtype)
-        _all_gather_single(host, row.contiguous().view(-1).cpu(), group=group)
+        _gather_into(host, row.contiguous().view(-1).cpu(), group)
         full = host.to(row.device) if out is None else out.view(-1).copy_(host)
         return full.view(k, -1), None
     # gloo wants a flat output (k * len), not [k, len]
     out = torch.empty(k * row.numel(), dtype=row.dtype, device=row.device) if out is None else out.view(-1)
-    work = _all_gather_single(out, row.contiguous().view(-1), group=group, async_op=async_op)
+    work = _gather_into(out, row.contiguous().view(-1), group, async_op)
     return out.view(k, -1), work
 
 
@@ -99,10 +149,10 @@ def all_to_all_rows(rows: torch.Tensor, group, async_op: bool = False):
         raise ValueError(f"all_to_all_rows: {rows.shape[0]} rows for a group of {k}")
     if _through_host(rows, group):
         host = torch.empty(rows.shape, dtype=rows.dtype)
-        dist.all_to_all_single(host, rows.contiguous().cpu(), group=group)
+        _all_to_all(host, rows.contiguous().cpu(), group)
         return host.to(rows.device), None
     out = torch.empty_like(rows)
-    work = dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=async_op)
+    work = _all_to_all(out, rows.contiguous(), group, async_op=async_op)
     return out, work
 
 
@@ -111,7 +161,7 @@ def all_to_all_split(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int]
     rank; `out` receives `out_splits`), completed on return."""
     if _through_host(inp, group):
         host = torch.empty(out.shape, dtype=out.dtype)
-        dist.all_to_all_single(host, inp.cpu(), out_splits, in_splits, group=group)
+        _all_to_all(host, inp.cpu(), group, out_splits, in_splits)
         out.copy_(host)
         return
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    _all_to_all(out, inp, group, out_splits, in_splits)

@@ -24,11 +24,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._version import __version__
 from ..config import ConfigError
-from ._exchange import all_gather_rows, group_device
+from ._exchange import all_gather_objects, all_gather_rows, group_device, group_ranks, group_size
 
 __all__ = ["check_agreement", "agreement_batch", "agreed_at_setup", "WIRE_FORMAT"]
 
@@ -86,9 +85,9 @@ def check_agreement(what: str, settings: Mapping[str, Any], group) -> None:
     if pending is _AGREED:
         return
     if pending is not None:
-        pending.append((what, {"group": None if group is None else dist.get_process_group_ranks(group), **settings}))
+        pending.append((what, {"group": None if group is None else group_ranks(group), **settings}))
         return
-    k = 1 if group is None else dist.get_world_size(group)
+    k = group_size(group)
     if k == 1:
         return
     mine: dict[str, str] = {}
@@ -99,9 +98,8 @@ def check_agreement(what: str, settings: Mapping[str, Any], group) -> None:
     mine_t = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(group_device(group))
     if bool((all_gather_rows(mine_t, group)[0] == mine_t).all()):
         return
-    everyone: list[dict[str, str]] = [{} for _ in range(k)]
-    dist.all_gather_object(everyone, mine, group=group)
-    ranks = dist.get_process_group_ranks(group)
+    everyone: list[dict[str, str]] = all_gather_objects(mine, group)
+    ranks = group_ranks(group)
     keys = sorted(set().union(*everyone))
     diffs = []
     for key in keys:

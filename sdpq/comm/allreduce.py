@@ -24,13 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..config import GradientsConfig, StatsConfig
 from ..kernels import decode_rows, decode_rows_inverse_hadamard, encode_rows
 from ..quant import true_div
 from . import timing, traffic
-from ._exchange import all_gather_rows
+from ._exchange import all_gather_rows, all_reduce_sum
 from .grads import GradReduceScatter
 from .segments import Segment, cut_segments
 from .stats import CommStats, Recorder
@@ -54,7 +53,7 @@ def exact_all_reduce(flat: torch.Tensor, topology: Topology, rec: Recorder, divi
     # (or inf) value on some ranks only: a rank holding a non-finite value sends NaN.
     flat.copy_(torch.where(torch.isfinite(flat).all(), flat, float("nan")))
     with timing.span("comm.grads"):
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        all_reduce_sum(flat, group)
     if divide_by is not None:
         flat.copy_(true_div(flat.float(), divide_by))
     item, numel = flat.element_size(), flat.numel()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .direct_group import DirectGroup
+
 __all__ = ["comm_device"]
 
 
@@ -55,7 +57,10 @@ def comm_device(group=None) -> torch.device:
       current device of that type (``torch.cuda.current_device()``);
     - gloo, mpi, ucc (backends built for the host): the CPU;
     - a group with one backend per device type ("cpu:gloo,cuda:nccl"): the accelerator's;
-    - a backend torch.distributed does not know: ValueError naming it.
+    - a backend torch.distributed does not know: ValueError naming it;
+    - a `DirectGroup` (not in torch.distributed's registry): the device it was built for.
     """
+    if isinstance(group, DirectGroup):
+        return group.device()
     device_type = _device_type(_backend_name(group))
     return torch.device("cpu") if device_type == "cpu" else _current_device(device_type)
