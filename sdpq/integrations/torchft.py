@@ -32,6 +32,8 @@ may hand a replica a peer's state, so a recovering replica needs nothing of sdpq
 residual is this member's own quantization error, wrong for any other member, and a failed
 member's is lost with it. The replicas' equality never depends on it (every member decodes the
 same bytes); the reset makes sdpq's state a function of the quorum and the calls since.
+Collectives are keyed by the tensor's size: with error feedback on, tensors of one size share a
+residual (right for DDP's buckets; not for per-parameter all-reduces of equal shapes).
 
 Note (failures): an all-reduce that fails (a member died, a timeout) leaves this member's
 collective mid-way. Its work reports the error (`wait()` returns False, the future raises), as
@@ -157,7 +159,7 @@ class QuantizedProcessGroup(ProcessGroupWrapper):
         self.stats = CommStats(config=self.config.stats, parent=process_stats())
         self.quorum: Quorum | None = None
         self.reconfigurations = 0  # configure calls (one per quorum this member joined)
-        self._failure: BaseException | None = None  # a quantized all-reduce that raised, until configure
+        self._failure: Exception | None = None  # a quantized all-reduce that failed, until configure
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -219,6 +221,8 @@ class QuantizedProcessGroup(ProcessGroupWrapper):
         t = tensors[0]
         if name != "SUM" or not t.is_floating_point():
             return super().allreduce(tensors, opts)
+        if t.numel() == 0:
+            return _FinishedWork(tensors)  # the sum of nothing: no collective (every member has none)
         with self._lock:
             quorum = self.quorum
             if quorum is None:
@@ -263,9 +267,7 @@ class QuantizedProcessGroup(ProcessGroupWrapper):
 
     def errored(self) -> Exception | None:
         """A failed quantized all-reduce of this quorum, or the wrapped group's own error."""
-        if isinstance(self._failure, Exception):
-            return self._failure
-        return self.parent.errored()
+        return self._failure or self.parent.errored()
 
     def abort(self, errored: bool = True) -> None:
         # Note: torchft's wrapper forgets its group on abort; this one keeps the wrapped group,
@@ -274,6 +276,9 @@ class QuantizedProcessGroup(ProcessGroupWrapper):
 
     def shutdown(self) -> None:
         self.parent.shutdown()
+
+    def set_timeout(self, timeout) -> None:
+        self.parent.set_timeout(timeout)  # the wrapped group's collectives are the ones that wait
 
     def held_tensors(self):
         """(kind, tensor) of what sdpq keeps between all-reduces (the error-feedback residuals)."""
