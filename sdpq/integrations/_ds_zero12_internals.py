@@ -14,9 +14,13 @@ DeepSpeed builds one of two optimizers at stages 1-2, and each gets a hooks clas
   `update_lp_params` (called by `step()`; its other caller, a universal-checkpoint load, keeps
   DeepSpeed's exact gather).
 
-A DeepSpeed release that renames one of the names used below breaks here, nowhere else
-(docs/zero12.md lists them; tests/integrations/test_deepspeed_internals.py checks that no other
-sdpq file names a private DeepSpeed module or attribute).
+Modules: `deepspeed.runtime.zero.stage_1_and_2` (DeepSpeedZeroOptimizer, all_gather_dp_groups),
+`deepspeed.runtime.bf16_optimizer` (BF16_Optimizer). Private attributes besides
+`_optimizer_step`: `_get_compact_grad_partition_slice` (where a piece's fp32 average goes with
+fp32 gradient accumulation), `_uses_muon` (refused). A DeepSpeed release that renames one of the
+names used here breaks here, nowhere else (docs/zero12.md lists them all;
+tests/integrations/test_deepspeed_internals.py checks that no other sdpq file names a private
+DeepSpeed module or attribute).
 
 Note (contract of the gradient hooks): on return, the pieces of each partition hold, on the
 partition's owner, the average over the data-parallel group; what other ranks hold there is not
@@ -314,7 +318,7 @@ def hooks_for(engine, adapter) -> _Hooks | None:
 
 
 def _stage_1_and_2():
-    from deepspeed.runtime.zero import stage_1_and_2
+    import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
 
     return stage_1_and_2
 

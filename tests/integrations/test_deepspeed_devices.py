@@ -2,7 +2,7 @@
 (tests/collective_devices.py), every tensor the adapter hands a collective must be on the
 communication device (the stand-in accelerator), also with ZeRO-3's CPU offload (partitions or
 optimizer on the host), and through a checkpoint load. And a checkpoint whose sdpq file is
-unreadable on one rank is rebuilt on every rank instead of leaving the others waiting.
+damaged on one rank is rebuilt on every rank alike instead of leaving the others waiting.
 4 gloo ranks as 2 simulated nodes x 2."""
 
 from __future__ import annotations
@@ -70,13 +70,39 @@ def test_collectives_on_the_communication_device(dist, tmp_path, option):
         assert all(torch.isfinite(torch.tensor(r["losses"]))) and r["losses"][2] < r["losses"][0] + 0.5
 
 
-def _damage(path: str, how: str) -> None:
+# What a rank's damaged sdpq file must make every rank's warning say (besides the file's name)
+DAMAGES = {
+    "truncated": "cannot read",
+    "garbage": "cannot read",
+    # a setting ZeRO-3 did not compare before (it loaded the file and kept the other rounding)
+    "other-config": "was saved with sdpq.weights.rounding = 'stochastic'",
+    "other-rank": "was saved on rank 2",
+    # rank 1's file of the run's earlier checkpoint (before: loaded, its references one step old)
+    "stale": "not saved together",
+}
+
+
+def _damage(ckpt: str, how: str) -> None:
+    """A copy of checkpoint "t" with rank 1's sdpq file damaged (-> tag `how`)."""
+    import shutil
+
+    dst = os.path.join(ckpt, how)
+    shutil.copytree(os.path.join(ckpt, "t"), dst)
+    path = os.path.join(dst, sds.STATE_FILE.format(rank=1))
     if how == "truncated":
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
-    else:  # overwritten with text (e.g. a log written to the wrong name)
+    elif how == "garbage":  # overwritten with text (e.g. a log written to the wrong name)
         with open(path, "w") as f:
             f.write("Traceback (most recent call last):\n  not a checkpoint\n" * 20)
+    elif how == "other-config":
+        state = torch.load(path, weights_only=True)
+        state["config"]["weights"]["rounding"] = "stochastic"
+        torch.save(state, path)
+    elif how == "other-rank":
+        shutil.copy(os.path.join(dst, sds.STATE_FILE.format(rank=2)), path)
+    else:
+        shutil.copy(os.path.join(ckpt, "early", sds.STATE_FILE.format(rank=1)), path)
 
 
 def _exact(p) -> torch.Tensor:
@@ -86,44 +112,59 @@ def _exact(p) -> torch.Tensor:
     return full[: p.ds_numel].view(p.ds_shape)
 
 
-def _unreadable_fn(ctx, ckpt, how):
+def _counters(adapter) -> dict:
+    """What decides a collective or a rounding: the same on every rank after a rebuild."""
+    weights = {i: (wg.version, wg.dirty, wg._force_exact, wg._gen is None) for i, wg in adapter.weights.items()}
+    return {"weights": weights, "grads": len(adapter.grads)}
+
+
+def _damaged_fn(ctx, ckpt):
     fresh_deepspeed()
     eng = build_engine(BLOCK)
-    train_steps(eng, ctx.rank, 2)
+    train_steps(eng, ctx.rank, 1)
+    eng.save_checkpoint(ckpt, tag="early")
+    train_steps(eng, ctx.rank, 1, start=1)
     eng.save_checkpoint(ckpt, tag="t")
     tdist.barrier()
-    path = os.path.join(ckpt, "t", sds.STATE_FILE.format(rank=1))
-    if ctx.rank == 1:
-        _damage(path, how)
+    if ctx.rank == 0:
+        for how in DAMAGES:
+            _damage(ckpt, how)
     tdist.barrier()
     eng2 = build_engine(BLOCK)
-    with nccl_devices() as report, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        eng2.load_checkpoint(ckpt, tag="t")
     adapter = sds.get_adapter(eng2)
-    rebuilt = all(g.residual is None for g in adapter.grads.values())
-    for ds_id, wg in adapter.weights.items():
-        p = adapter.params[ds_id]
-        if p.ds_persist:  # re-gathered at the end of the load: exactly
-            rebuilt &= torch.equal(p.data, _exact(p))
-        else:  # gathered exactly at their next use
-            rebuilt &= wg.dirty and wg._force_exact
-    losses = train_steps(eng2, ctx.rank, 2, start=2)  # training continues
-    return {"warned": [str(w.message) for w in caught if "sdpq" in str(w.message)], "rebuilt": rebuilt,
-            "losses": losses, "checked": report.checked}  # fmt: skip
+    out = {}
+    for how in DAMAGES:
+        with nccl_devices() as report, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            eng2.load_checkpoint(ckpt, tag=how)
+        rebuilt = adapter.grads == {}  # residuals from zero, rounding streams from their seeds
+        for ds_id, wg in adapter.weights.items():
+            p = adapter.params[ds_id]
+            if p.ds_persist:  # re-gathered at the end of the load: exactly
+                rebuilt &= torch.equal(p.data, _exact(p)) and wg.version == 1
+            else:  # gathered exactly at their next use
+                rebuilt &= wg.dirty and wg._force_exact and wg.version == 0
+        counters = _counters(adapter)
+        losses = train_steps(eng2, ctx.rank, 1, start=2)  # training continues
+        out[how] = {"warned": [str(w.message) for w in caught if "sdpq" in str(w.message)], "rebuilt": rebuilt,
+                    "counters": counters, "losses": losses, "checked": report.checked}  # fmt: skip
+    return out
 
 
-@pytest.mark.parametrize("how", ["truncated", "garbage"])
-def test_unreadable_state_file_is_rebuilt_on_every_rank(dist, tmp_path, how):
-    """Rank 1's sdpq_rank00001.pt is truncated / overwritten: no rank raises or waits; every rank
-    warns, naming the file and the error, and rebuilds (exact refresh, residuals from zero)."""
-    res = dist.run(_unreadable_fn, 4, 2, str(tmp_path), how, timeout=60)
-    for r in res:
-        assert len(r["warned"]) == 1, r["warned"]
-        msg = r["warned"][0]
-        if r is res[0]:
-            print(msg)
-        assert "rank 1: cannot read" in msg and "sdpq_rank00001.pt" in msg, msg
-        assert ("Error" in msg) and "restart from zero" in msg, msg
-        assert r["rebuilt"] and r["checked"] >= 1
-        assert all(torch.isfinite(torch.tensor(r["losses"])))
+def test_a_damaged_state_file_is_rebuilt_on_every_rank(dist, tmp_path):
+    """Rank 1's sdpq_rank00001.pt truncated, overwritten, saved with another weights config, by
+    another rank, or at an earlier step: no rank raises or waits; every rank warns once, naming
+    rank 1, the file and what is wrong, and rebuilds alike (weight versions and rounding streams
+    anew, the references refreshed exactly, residuals from zero), then trains on."""
+    res = dist.run(_damaged_fn, 4, 2, str(tmp_path), timeout=120)
+    for how, says in DAMAGES.items():
+        runs = [r[how] for r in res]
+        for r in runs:
+            assert len(r["warned"]) == 1, (how, r["warned"])
+            msg = r["warned"][0]
+            assert "rank 1" in msg and "sdpq_rank00001.pt" in msg and says in msg, (how, msg)
+            assert "every rank rebuilds" in msg and "restart from zero" in msg, msg
+            assert r["rebuilt"] and r["checked"] >= 1, how
+            assert r["counters"] == runs[0]["counters"], how
+            assert all(torch.isfinite(torch.tensor(r["losses"]))), (how, r["losses"])
+        print(f"{how}: {runs[0]['warned'][0]}")

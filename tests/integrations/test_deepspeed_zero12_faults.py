@@ -83,15 +83,35 @@ def _counters(adapter) -> dict:
     }
 
 
+def _restored(eng, opt) -> bool:
+    """Nothing of sdpq's left on the engine or its optimizer (after remove)."""
+    mine = {"save_checkpoint", "load_checkpoint", "destroy", "step", "sdpq"}
+    hooked = {"average_tensor", "_optimizer_step", "step", "update_lp_params", "get_grads_for_norm"}
+    return not (mine & vars(eng).keys()) and not (hooked & vars(opt).keys())
+
+
 def _damaged_fn(ctx, ckpt: str):
-    out: dict = {}
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    from sdpq.integrations._ds_zero12_internals import ALL_GATHER_DP_GROUPS
+
+    # The process-wide gather dispatcher as it is before (DeepSpeed's function unless an engine
+    # of an earlier test in this worker still holds it): each engine takes one reference,
+    # destroy() gives it back, and with none left DeepSpeed's function is back.
+    out: dict = {"patch": [], "restored": []}
+    held, before = ALL_GATHER_DP_GROUPS.holders, stage_1_and_2.all_gather_dp_groups
     for stage in (2, 1):  # save both first: each stage's file is the other's "other config"
         eng = build(stage, BLOCKS[stage], seed=0)
+        out["patch"].append(ALL_GATHER_DP_GROUPS.holders - held)
         train(ctx, eng, 0, 1)
         eng.save_checkpoint(ckpt, tag=f"early{stage}")
         train(ctx, eng, 1, 1)
         eng.save_checkpoint(ckpt, tag=f"t{stage}")
+        opt = eng.optimizer
         eng.destroy()
+        out["restored"].append(_restored(eng, opt))
+        out["patch"].append(ALL_GATHER_DP_GROUPS.holders - held)
+    out["patch"].append(stage_1_and_2.all_gather_dp_groups is before)
     tdist.barrier()
     if ctx.rank == 0:
         for stage in (2, 1):
@@ -125,8 +145,12 @@ def test_a_damaged_state_file_rebuilds_on_every_rank(dist, tmp_path):
     warns once naming rank 1, the file and what was wrong, rebuilds (steps, versions, rounding
     streams and residuals reset alike: the exact gathers and the replica check come first), and
     steps on with bitwise equal replicas. Before the fix rank 0 aborted in gloo ("Received data
-    size doesn't match expected size"): the ranks kept different step counts."""
+    size doesn't match expected size"): the ranks kept different step counts. The two engines that
+    saved are destroyed first: nothing of sdpq's is left on them, and the process-wide gather
+    dispatcher goes back to DeepSpeed's function (before: it stayed for good)."""
     res = dist.run(_damaged_fn, 4, 2, str(tmp_path), timeout=TIMEOUT)
+    for r in res:  # destroy() undid every hook and gave the process-wide dispatcher back
+        assert r["patch"] == [1, 0, 1, 0, True] and r["restored"] == [True, True], (r["patch"], r["restored"])
     for stage in (2, 1):
         for how in DAMAGES:
             runs = [r[(stage, how)] for r in res]
