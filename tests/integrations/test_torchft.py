@@ -87,6 +87,7 @@ class _InstrumentedGloo(ProcessGroupGloo):
         self.failures = 0
         self.configured_at: list[float] = []  # when configure began, each time
         self.reduced_at: list[float] = []  # when each plain all-reduce had completed
+        self.entered: threading.Event | None = None  # set when an all-reduce begins
 
     def configure(self, store_addr, replica_id, rank, world_size, *args, **kwargs) -> None:
         self.configured_at.append(time.monotonic())
@@ -94,6 +95,8 @@ class _InstrumentedGloo(ProcessGroupGloo):
         self.member = (rank, world_size)
 
     def allreduce(self, tensors, opts):
+        if self.entered is not None:
+            self.entered.set()
         rank, size = self.member
         nbytes = tensors[0].numel() * tensors[0].element_size()
         self.inter_bytes += traffic.all_reduce(traffic.member_nodes(range(size), 1), rank, nbytes).inter
@@ -304,17 +307,20 @@ def test_an_all_reduce_failing_mid_collective_is_skipped_and_the_replicas_stay_b
 
 
 def _on_members(size: int, fn, configs=None, inner=ProcessGroupGloo) -> list:
-    """fn(rank, pg, store_port) on `size` wrappers, one thread each, after configuring them for
-    quorum 1; the results (or what each raised) in rank order."""
+    """fn(rank, pg, call) on `size` wrappers, one thread each, after configuring them for quorum 1
+    (`call.port`: the store's, for later quorums; `call.events`: threading.Events the members
+    share); the results (or what each raised) in rank order."""
     from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
 
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     pgs = [sdpq.torchft.QuantizedProcessGroup(inner(timeout=TIMEOUT), (configs or [{}] * size)[r]) for r in range(size)]
+    call = SimpleNamespace(port=store.port, events={"asked": threading.Event(), "entered": threading.Event()})
 
     def member(r: int):
         try:
             pgs[r].configure(f"localhost:{store.port}/q1", str(r), r, size, quorum_id=1)
-            return fn(r, pgs[r], store.port)
+            return fn(r, pgs[r], call)
         except Exception as e:  # returned, so that the test sees every member's error
             return e
 
@@ -332,7 +338,7 @@ def _inputs(size: int, numel: int) -> list[torch.Tensor]:
     return [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(size)]
 
 
-def _sums(r: int, pg, port: int) -> dict:
+def _sums(r: int, pg, call) -> dict:
     x = _inputs(3, 5000)[r]
     quant, bf16 = x.clone(), x.to(torch.bfloat16)
     pg.allreduce([quant], _sum_op()).wait()
@@ -375,14 +381,14 @@ def test_exact_mode_is_the_plain_sum(worker):
     assert all(torch.equal(g["quant"], got[0]["quant"]) for g in got)
 
 
-def _quorum_change(r: int, pg, port: int) -> dict:
+def _quorum_change(r: int, pg, call) -> dict:
     x = _inputs(3, 3000)[r]
     for _ in range(2):
         pg.allreduce([x.clone()], _sum_op()).wait()
     before = {"residuals": len(list(pg.held_tensors())), "chunk": pg.quorum.reducers[3000].reduce_scatter.chunk_numel}
     if r == 2:
         return before  # leaves: the next quorum is members 0 and 1
-    pg.configure(f"localhost:{port}/q2", str(r), r, 2, quorum_id=2)
+    pg.configure(f"localhost:{call.port}/q2", str(r), r, 2, quorum_id=2)
     after_configure = len(list(pg.held_tensors()))
     y = x.clone()
     pg.allreduce([y], _sum_op()).wait()
@@ -401,7 +407,7 @@ def test_a_quorum_change_rebuilds_the_layout_and_resets_error_feedback(worker):
     assert (two[0]["sum"] - exact).norm() / exact.norm() < 0.3
 
 
-def _bits_disagree(r: int, pg, port: int) -> None:
+def _bits_disagree(r: int, pg, call) -> None:
     pg.allreduce([torch.ones(512)], _sum_op()).wait()
 
 
@@ -411,7 +417,7 @@ def test_members_that_disagree_on_the_config_all_raise(worker):
     assert all(isinstance(e, ConfigError) and "inter_bits" in str(e) for e in got), got
 
 
-def _fail_then_reconfigure(r: int, pg, port: int) -> dict:
+def _fail_then_reconfigure(r: int, pg, call) -> dict:
     pg.parent.armed = True  # both members fail in the same all-gather: nobody waits for a timeout
     out = {}
     for name in ("first", "refused"):
@@ -422,7 +428,7 @@ def _fail_then_reconfigure(r: int, pg, port: int) -> dict:
         except RuntimeError as e:
             out[name] = str(e)
     out["errored"] = str(pg.errored())
-    pg.configure(f"localhost:{port}/q2", str(r), r, 2, quorum_id=2)
+    pg.configure(f"localhost:{call.port}/q2", str(r), r, 2, quorum_id=2)
     y = torch.ones(512)
     out["wait_after"] = pg.allreduce([y], _sum_op()).wait()
     return {**out, "sum": y, "errored_after": pg.errored()}
@@ -438,22 +444,26 @@ def test_a_failed_all_reduce_is_reported_and_refused_until_the_next_quorum(worke
         assert (g["sum"] - 2).norm() / torch.full((512,), 2.0).norm() < 0.3  # the new quorum sums again
 
 
-def _configure_during_all_reduce(r: int, pg, port: int) -> dict:
+def _configure_during_all_reduce(r: int, pg, call) -> dict:
+    pg.allreduce([torch.ones(4096)], _sum_op()).wait()  # builds (and agrees on) the collective first
     x = torch.ones(4096)
-    if r == 1:
-        time.sleep(0.5)  # member 0 waits inside its all-reduce meanwhile
+    if r == 1:  # joins the all-reduce only once member 0's configure() is waiting for it
+        assert call.events["asked"].wait(30)
+        time.sleep(0.2)
         pg.allreduce([x], _sum_op()).wait()
-        pg.configure(f"localhost:{port}/q2", str(r), r, 2, quorum_id=2)
+        pg.configure(f"localhost:{call.port}/q2", str(r), r, 2, quorum_id=2)
         return {}
     asked: list[float] = []
 
     def reconfigure() -> None:
-        time.sleep(0.2)
+        assert call.events["entered"].wait(30)  # member 0 is inside its all-reduce
         asked.append(time.monotonic())
-        pg.configure(f"localhost:{port}/q2", "0", 0, 2, quorum_id=2)
+        call.events["asked"].set()
+        pg.configure(f"localhost:{call.port}/q2", "0", 0, 2, quorum_id=2)
 
     thread = threading.Thread(target=reconfigure)
     thread.start()
+    pg.parent.entered = call.events["entered"]
     pg.allreduce([x], _sum_op()).wait()
     thread.join(timeout=30)
     inner = pg.parent
