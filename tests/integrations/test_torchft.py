@@ -7,8 +7,9 @@ restarts, and an all-reduce that fails mid-collective. Units: the wrapper on bar
 groups, one thread per member.
 
 Note: everything that starts torchft's servers or gloo groups runs in one spawned worker process
-per module (`_Worker`): torchft's Rust runtime and gloo keep threads that outlive the objects,
-and the multi-rank harness forks its ranks from this pytest process. Every call into the worker
+per module (`_Worker`): torchft's servers (a Rust runtime) and gloo groups run threads that live
+until their objects are collected, and the multi-rank harness forks its ranks from this pytest
+process. Every call into the worker
 has a timeout, the worker is killed at the end of the module, and every torchft and gloo
 timeout inside it is explicit.
 """
@@ -46,13 +47,16 @@ K = 3  # the step at which a fault strikes
 
 
 class _Worker:
-    """One spawned process that runs this module's functions (`call(fn, *args, timeout=...)`)."""
+    """One spawned process that runs this module's functions (`call(fn, *args, timeout=...)`);
+    a new one after a call that timed out."""
 
     def __init__(self) -> None:
-        with mock.patch.dict(os.environ, {"RUST_LOG": "warn"}):  # torchft logs every RPC at info
-            self.pool = multiprocessing.get_context("spawn").Pool(1)
+        self.pool = None
 
     def call(self, fn, *args, timeout: float = 60.0):
+        if self.pool is None:
+            with mock.patch.dict(os.environ, {"RUST_LOG": "warn"}):  # torchft logs every RPC at info
+                self.pool = multiprocessing.get_context("spawn").Pool(1)
         try:
             return self.pool.apply_async(fn, args).get(timeout)
         except multiprocessing.TimeoutError:
@@ -60,8 +64,10 @@ class _Worker:
             raise
 
     def close(self) -> None:
-        self.pool.terminate()
-        self.pool.join()
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def worker():
 class _InstrumentedGloo(ProcessGroupGloo):
     """torchft's gloo group that counts its own all-reduces by sdpq's byte model (each replica
     group a node: the plain job's cross-replica bytes) and whose next all-gather raises once
-    `arm()`ed (the all-gather phase of sdpq's all-reduce, after its reduce-scatter)."""
+    `armed` (the all-gather phase of sdpq's all-reduce, after its reduce-scatter)."""
 
     def __init__(self, timeout: timedelta) -> None:
         super().__init__(timeout=timeout)
@@ -282,7 +288,6 @@ def test_a_replica_that_fails_heals_and_the_replicas_stay_bitwise_equal(worker):
     # The quorum shrank to two while the replica was down and grew back: the wrapper rebuilt its
     # layout each time, and the job ended at its last step on every replica.
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
-    assert sizes[sizes.index(2) :].count(3) > 0
     assert results[0]["reconfigurations"] >= 3
     assert all(r["log"][-1][1] == STEPS for r in results)
 
