@@ -31,6 +31,7 @@ the last three kinds (`sdpq_bytes`); the transient peaks are measured inside sdp
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -206,8 +207,6 @@ def live_tensor_bytes(device: torch.device | str | None = None) -> int:
 
 def _is_deepspeed_engine(target) -> bool:
     """Whether target is a DeepSpeed engine (DeepSpeed is not imported to find out)."""
-    import sys
-
     if "deepspeed" not in sys.modules:
         return False
     from .integrations import deepspeed as sdpq_deepspeed

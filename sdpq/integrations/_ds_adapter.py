@@ -22,7 +22,8 @@ What is patched, and why there (DeepSpeed 0.19.8):
   restored, or everything resyncs exactly). `DeepSpeedAdapter.mark_weights_changed()` covers
   edits DeepSpeed does not see (writing into `ds_tensor` directly).
 - gradients: `stage3.reduce_scatter_coalesced` is the module-level name `__avg_scatter_grads`
-  calls; it is replaced by a dispatcher that uses sdpq while this engine's
+  calls; it is replaced (a ProcessPatch: DeepSpeed's function is back once no engine holds it)
+  by a dispatcher that uses sdpq while this engine's
   `__avg_scatter_grads` (wrapped per instance, to learn which parameters are in the bucket)
   runs, and DeepSpeed's function otherwise. DeepSpeed's averaging is kept bit for bit: the
   same pre-division by the group size in the gradient dtype (exact mode), or the SUM in fp32

@@ -1,6 +1,8 @@
 """The DeepSpeed config against its "sdpq" block: every check `sdpq.deepspeed.initialize` makes
-before it builds an engine, and the config DeepSpeed then gets. No torch import here, so
-`sdpq config --check` runs exactly these checks cheaply."""
+before it builds an engine, the config DeepSpeed then gets, and the config sdpq runs with
+(`config_at_stage`; with ZeRO-3's per-parameter weight group, `zero3_weight_group`: the two
+policies the adapters and `sdpq plan` share). No torch import here, so `sdpq config --check` runs
+exactly these checks cheaply."""
 
 from __future__ import annotations
 

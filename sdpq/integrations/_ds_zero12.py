@@ -1,8 +1,10 @@
-"""sdpq's state for one DeepSpeed ZeRO-1/2 engine: when gathers are exact, checkpoints, statistics.
+"""sdpq's state for one DeepSpeed ZeRO-1/2 engine: its collectives and when a gather is exact.
 
 How each of DeepSpeed's ZeRO-1/2 optimizers is hooked (DeepSpeedZeroOptimizer; BF16_Optimizer
 at stage 1 with fp32 gradient accumulation) is in _ds_zero12_internals.py, the one file that
-names DeepSpeed's private attributes. This adapter owns the collectives the hooks call:
+names their private attributes; the checkpoint state is _ds_zero12_state.py; install and undo,
+checkpoints and statistics are the adapters' base (_ds_base.py), shared with ZeRO-3. This adapter
+owns the collectives the hooks call:
 
 - gradients: an `OwnedReduceScatter` (the hooks pass each bucket's pieces with their owners);
 - weights: a `ReplicaDiffGather` per parameter group, exact when a check finds the replicas
