@@ -308,3 +308,20 @@ def test_the_import_hook_is_removable_and_puts_deepspeed_back_exactly():
     assert deepspeed.initialize.__sdpq_original__ is ds_initialize
     assert DeepSpeedEngine.__dict__["__init__"].__sdpq_original__ is ds_engine_init
     assert _ds_hook.INITIALIZE.holders == _ds_hook.ENGINE_GUARD.holders == 1
+
+
+def test_both_adapters_keep_only_what_differs():
+    """ZeRO-3's and ZeRO-1/2's adapters are one DeepSpeedAdapterBase: neither writes its own
+    install/undo, remove, statistics, checkpoint save/load decision or file validation."""
+    from sdpq.comm import stats
+    from sdpq.integrations._ds_adapter import DeepSpeedAdapter
+    from sdpq.integrations._ds_base import DeepSpeedAdapterBase, engine_stats
+    from sdpq.integrations._ds_zero12 import Zero12Adapter
+
+    shared = ("__init__", "patch", "on_remove", "remove", "state_dict", "load_state_dict", "_after_load",
+              "_agree", "_schedules_differ", "_incompatible", "_state_path")  # fmt: skip
+    for adapter in (DeepSpeedAdapter, Zero12Adapter):
+        assert issubclass(adapter, DeepSpeedAdapterBase)
+        own = {n for klass in adapter.__mro__[: adapter.__mro__.index(DeepSpeedAdapterBase)] for n in vars(klass)}
+        assert own.isdisjoint(shared), (adapter.__name__, sorted(own & set(shared)))
+    assert engine_stats in stats._HOLDERS
