@@ -21,8 +21,10 @@ Names used (torch 2.13):
 - `torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo`;
 - `FSDPModule._get_fsdp_state()._fsdp_param_groups` -> list of FSDPParamGroup (2.11:
   `._fsdp_param_group`, one FSDPParamGroup or None);
-- FSDPParamGroup: `fsdp_params`, `mesh_info` (`.shard_process_group`), `post_forward_mesh_info`,
-  `_is_hsdp`, `mp_policy.param_dtype` (2.15: per parameter, `FSDPParam.mp_policy`), `device`, `gradient_divide_factor`,
+- FSDPParamGroup: `fsdp_params`, `mesh_info` (`.shard_process_group`; with mesh HSDP
+  `.replicate_process_group`, and replaced by a 1-D `FSDPMeshInfo` when sdpq takes that
+  all-reduce over), `post_forward_mesh_info`, `_is_hsdp`, `mp_policy.param_dtype` (2.15: per
+  parameter, `FSDPParam.mp_policy`), `device`, `gradient_divide_factor`,
   `force_sum_reduction_for_comms`, `_all_gather_comm`, `_reduce_scatter_comm`, `_all_reduce_hook`,
   `all_reduce_grads` (what `set_requires_all_reduce` sets; 1-D FSDP2 calls the all-reduce hook
   whatever it says);
@@ -32,6 +34,7 @@ Names used (torch 2.13):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -56,6 +59,9 @@ __all__ = [
     "unsupported_reason",
     "shard_group",
     "is_mesh_hsdp",
+    "replicate_group",
+    "shard_dim_only",
+    "has_all_reduce_hook",
     "sharded_params",
     "shard_numels",
     "shard_row_widths",
@@ -108,6 +114,33 @@ def shard_group(pg: ParamGroup) -> dist.ProcessGroup:
 def is_mesh_hsdp(pg: ParamGroup) -> bool:
     """Sharded on a 2-D (replicate, shard) mesh: FSDP2 all-reduces across replicas itself."""
     return bool(pg._is_hsdp)
+
+
+def replicate_group(pg: ParamGroup) -> dist.ProcessGroup:
+    """Mesh HSDP: the process group FSDP2 all-reduces the gradients across (the mesh's replicate dim)."""
+    return pg.mesh_info.replicate_process_group
+
+
+def shard_dim_only(pg: ParamGroup) -> None:
+    """Make a mesh-HSDP group 1-D FSDP on its shard dim, for sdpq's all-reduce hook to replace
+    FSDP2's replicate all-reduce: FSDP2 all-reduces only a group whose `mesh_info` has a replicate
+    dim, and calls the all-reduce hook on the reduce-scatter output either way. Only the group's
+    view changes: its parameters stay DTensors on the 2-D mesh (replicated across its replicate
+    dim, which the hook keeps true), and the gathers and reduce-scatters run on the same shard
+    group. comm_settings() saved the HSDP view; restore_comm_settings() puts it back."""
+    hsdp = pg.mesh_info
+    fields = {f.name: getattr(hsdp, f.name) for f in dataclasses.fields(FSDPMeshInfo) if f.init}
+    one_d = FSDPMeshInfo(**{**fields, "replicate_mesh_dim": None})
+    if hasattr(hsdp, "reduce_scatter_process_group"):  # torch 2.13+: set_separate_reduce_scatter_group
+        one_d.reduce_scatter_process_group = hsdp.reduce_scatter_process_group
+    if pg.post_forward_mesh_info is hsdp:  # reshard_after_forward=True: the same object
+        pg.post_forward_mesh_info = one_d
+    pg.mesh_info = one_d
+
+
+def has_all_reduce_hook(pg: ParamGroup) -> bool:
+    """Someone set an all-reduce hook on the group (set_all_reduce_hook), e.g. torchft's replica all-reduce."""
+    return pg._all_reduce_hook is not None
 
 
 def sharded_params(pg: ParamGroup) -> list[DTensor]:
@@ -164,19 +197,25 @@ def all_reduce_wanted(pg: ParamGroup) -> bool:
 
 def comm_settings(pg: ParamGroup) -> tuple:
     """What apply() changes on the group, as remove() must restore it: (all-gather comm,
-    reduce-scatter comm, force-sum flag, all-reduce hook, gradient divide factor)."""
+    reduce-scatter comm, force-sum flag, all-reduce hook, gradient divide factor, mesh info,
+    post-forward mesh info)."""
     return (
         pg._all_gather_comm,
         pg._reduce_scatter_comm,
         pg.force_sum_reduction_for_comms,
         pg._all_reduce_hook,
         pg.gradient_divide_factor,
+        pg.mesh_info,
+        pg.post_forward_mesh_info,
     )
 
 
 def restore_comm_settings(module: Any, saved: tuple, *, all_reduce: bool) -> None:
-    """Put back what comm_settings() returned, through FSDPModule's public setters."""
-    all_gather, reduce_scatter, force_sum, all_reduce_hook, divide_factor = saved
+    """Put back what comm_settings() returned, through FSDPModule's public setters (the mesh
+    views, which shard_dim_only() may have replaced, directly)."""
+    all_gather, reduce_scatter, force_sum, all_reduce_hook, divide_factor, mesh_info, post_forward = saved
+    for pg in param_groups(module):
+        pg.mesh_info, pg.post_forward_mesh_info = mesh_info, post_forward
     module.set_custom_all_gather(all_gather)
     module.set_custom_reduce_scatter(reduce_scatter)
     module.set_force_sum_reduction_for_comms(force_sum)

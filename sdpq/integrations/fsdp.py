@@ -27,8 +27,9 @@ HSDP: 1-D `fully_shard` on the shard dim and `apply(..., replicate=mesh["replica
 the reduce-scatter output across the replicate group itself (FSDP2's all-reduce hook, a
 `sdpq.comm.GradAllReduce`, bitwise equal on every replica) and FSDP2 divides by shard x replicate
 size. FSDP2's own 2-D mesh HSDP all-reduces in full precision before any hook (without `replicate`
-it keeps working, unquantized); see docs/fsdp.md. Any shard group (FSDP x TP sub-meshes too)
-gets its node layout from `Topology.for_group`.
+it keeps working, unquantized); `apply(..., replicate="mesh")` takes that all-reduce over (the
+modules' groups become 1-D FSDP on the shard dim, which remove() undoes); see docs/fsdp.md. Any
+shard group (FSDP x TP sub-meshes too) gets its node layout from `Topology.for_group`.
 
 Checkpoints (torch.distributed.checkpoint): put `state_dict(model)` next to the model and
 optimizer state; to load, build the template with `state_dict(model, checkpoint_id=path)` and
@@ -137,6 +138,18 @@ def _param_group_of(name: str, module: Any):
 # ----------------------------------------------------------------------------- public API
 
 
+def _distinct_groups(groups: list) -> list:
+    """(name, module, param group) once per parameter group. Note: fully_shard([a, b]) makes a
+    and b one FSDP group (torchtitan shards [norm, lm_head] so): one ModuleComms serves both."""
+    seen: set[int] = set()
+    out = []
+    for name, module, pg in groups:
+        if pg is not None and id(pg) not in seen:
+            seen.add(id(pg))
+            out.append((name, module, pg))
+    return out
+
+
 def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     modules = _fsdp_modules(model)
     if not modules:
@@ -153,25 +166,38 @@ def _checked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _replicate_group(replicate, groups: list) -> tuple[Any, str | None]:
-    """(the process group of `replicate` (a ProcessGroup or a 1-D DeviceMesh), why this rank
-    cannot use it or None). Checked against the FSDP modules: 1-D FSDP on a group of at least two
-    ranks that meets the replicate group in this rank only. Note: the reason is returned, not
-    raised, so that every rank first agrees on it (a rank raising alone would leave the others
-    waiting in the next collective)."""
+    """(the process group of `replicate` (a ProcessGroup, a 1-D DeviceMesh, or "mesh": the
+    replicate dim of FSDP2's own 2-D mesh), why this rank cannot use it or None). Checked against
+    the FSDP modules: FSDP on a group of at least two ranks that meets the replicate group in this
+    rank only, 1-D unless "mesh" takes the 2-D mesh's all-reduce over. Note: the reason is
+    returned, not raised, so that every rank first agrees on it (a rank raising alone would leave
+    the others waiting in the next collective)."""
     if replicate is None:
         return None, None
-    group = replicate.get_group() if isinstance(replicate, DeviceMesh) else replicate
-    if not isinstance(group, dist.ProcessGroup):
-        return None, f"sdpq.fsdp.apply: replicate must be a ProcessGroup or a 1-D DeviceMesh, got {type(replicate)}"
+    take_over = isinstance(replicate, str)
+    if take_over:
+        if replicate != "mesh":
+            allowed = "a ProcessGroup, a 1-D DeviceMesh or 'mesh'"
+            return None, f"sdpq.fsdp.apply: replicate must be {allowed}, not {replicate!r}"
+        group, problem = _mesh_replicate_group(groups)
+        if problem is not None:
+            return group, problem
+    else:
+        group = replicate.get_group() if isinstance(replicate, DeviceMesh) else replicate
+        if not isinstance(group, dist.ProcessGroup):
+            return None, (
+                f"sdpq.fsdp.apply: replicate must be a ProcessGroup, a 1-D DeviceMesh or 'mesh', got {type(replicate)}"
+            )
     ranks = set(dist.get_process_group_ranks(group))
     for name, _, pg in groups:
         what = f"FSDP module {name or '<root>'}"
         shard = set(dist.get_process_group_ranks(fsdp_internals.shard_group(pg)))
-        if fsdp_internals.is_mesh_hsdp(pg):
+        if fsdp_internals.is_mesh_hsdp(pg) and not take_over:
             return group, (
                 f"sdpq.fsdp.apply: {what} is sharded on a 2-D mesh (FSDP2's mesh HSDP), whose replicate all-reduce "
                 "FSDP2 does itself; for sdpq's quantized one shard on the shard dimension only, "
-                "fully_shard(module, mesh=mesh['shard']), and pass replicate=mesh['replicate']"
+                "fully_shard(module, mesh=mesh['shard']), and pass replicate=mesh['replicate'], "
+                "or pass replicate='mesh' to take FSDP2's replicate all-reduce over"
             )
         if len(shard) < 2:
             return group, f"sdpq.fsdp.apply: {what} is sharded over one rank; with replicate= use a shard group of 2+"
@@ -181,6 +207,23 @@ def _replicate_group(replicate, groups: list) -> tuple[Any, str | None]:
                 f"{what} must meet in this rank only (they are two dimensions of one mesh)"
             )
     return group, None
+
+
+def _mesh_replicate_group(groups: list) -> tuple[Any, str | None]:
+    """replicate="mesh": (the replicate group of the 2-D mesh every FSDP module is sharded on,
+    why this rank cannot take it over or None)."""
+    if not groups:
+        return None, "sdpq.fsdp.apply: replicate='mesh' but no FSDP module holds parameters"
+    flat = [name for name, _, pg in groups if not fsdp_internals.is_mesh_hsdp(pg)]
+    if flat:
+        return None, (
+            f"sdpq.fsdp.apply: replicate='mesh' takes over FSDP2's mesh HSDP, but FSDP module {flat[0] or '<root>'} "
+            "is not sharded on a 2-D (replicate, shard) mesh; with 1-D FSDP pass the replicate group itself"
+        )
+    rep = [fsdp_internals.replicate_group(pg) for _, _, pg in groups]
+    if len({tuple(dist.get_process_group_ranks(g)) for g in rep}) > 1:
+        return rep[0], "sdpq.fsdp.apply: replicate='mesh' needs one replicate group for every FSDP module"
+    return rep[0], None
 
 
 def _broadcast_replicas(comms_list: list[ModuleComms], group) -> None:
@@ -201,6 +244,8 @@ def _install(comms: ModuleComms) -> None:
     m.set_custom_reduce_scatter(SdpqReduceScatter(comms))
     m.set_force_sum_reduction_for_comms(True)
     if comms.replicate is not None:
+        if fsdp_internals.is_mesh_hsdp(comms.param_group):  # replicate="mesh": FSDP2 stops all-reducing
+            fsdp_internals.shard_dim_only(comms.param_group)
         m.set_all_reduce_hook(SdpqAllReduceHook(comms))
         if fsdp_internals.gradient_divide_factor(comms.param_group) is None:  # else the user's: the total divisor
             m.set_gradient_divide_factor(float(comms.topology.world_size * comms.replicate.world_size))
@@ -273,6 +318,8 @@ def apply(
     HSDP: shard with `fully_shard(module, mesh=mesh["shard"])` and pass `replicate=mesh["replicate"]`
     (a 1-D DeviceMesh or a ProcessGroup): sdpq then sums the gradients across the replicate group
     with its quantized all-reduce (FSDP's all-reduce hook) and makes the replicas start equal.
+    Modules already sharded on a 2-D (replicate, shard) mesh (FSDP2's mesh HSDP, e.g. torchtitan's):
+    `replicate="mesh"` does the same on that mesh's replicate dim, in place of FSDP2's all-reduce.
 
     Errors: TypeError if no module of `model` is sharded with fully_shard; RuntimeError if sdpq is
     already applied (call remove() first); sdpq.comm.TopologyError if config.topology does not fit
@@ -281,8 +328,7 @@ def apply(
     cfg = as_config(config, "sdpq.fsdp.apply")
     modules = _checked_modules(model)
     opts = _optimizers(optimizer)
-    groups = [(name, m, _param_group_of(name, m)) for name, m in modules]
-    groups = [g for g in groups if g[2] is not None]
+    groups = _distinct_groups([(name, m, _param_group_of(name, m)) for name, m in modules])
     if not dist.is_initialized():
         raise RuntimeError("sdpq.fsdp.apply: torch.distributed is not initialised")
     world = Topology.build(cfg.topology)
