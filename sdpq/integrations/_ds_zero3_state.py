@@ -8,8 +8,11 @@ Parameters and buckets are named by position, not ds_id: ds_id numbering continu
 engines in one process.
 
 What decides the next collectives (`_schedule`): the step count and, per parameter, the version
-and the pending refresh (an exact refresh, a checksum verification and a difference refresh are
-different collectives). On any rank's problem every rank rebuilds alike (`_rebuild`): new weight
+and whether a refresh is pending (an exact refresh, a checksum verification and a difference
+refresh are different collectives); compared across ranks at a load, so that files of different
+saves are found. Not compared: a pending exact refresh (`force_exact`), which the holders of one
+reference agree on but the ranks of a node need not (each holds another reference). On any
+rank's problem every rank rebuilds alike (`_rebuild`): new weight
 gathers (version 0: the first refresh exact; rounding streams from their seeds), no gradient
 state (residuals from zero), every reference refreshed exactly.
 """
@@ -77,8 +80,7 @@ class Zero3StateMixin(AdapterState):
     def _schedule(self, state: dict | None) -> tuple[int, ...]:
         if state is None:
             return (0, 0)
-        weights = state["weights"].items()
-        pending = sorted((n, s.get("version"), s.get("dirty"), s.get("force_exact")) for n, s in weights)
+        pending = sorted((n, s.get("version"), s.get("dirty")) for n, s in state["weights"].items())
         return (int(state.get("steps", -1)), zlib.crc32(repr(pending).encode()))
 
     def _describe_schedule(self, value: tuple[int, ...]) -> str:
