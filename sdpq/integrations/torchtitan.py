@@ -19,6 +19,11 @@ model parts are sharded (fully_shard), initialised and their optimizers built: w
     # or: spec = model_spec_with_sdpq(model_registry("8B"))
 
 The configs users name with `--module` are in `sdpq/torchtitan_configs.py`; see docs/torchtitan.md.
+
+This module imports nothing of torchtitan. What it reads of torchtitan 0.3.0's objects:
+`ParallelDims.dp_replicate`, `.dp_shard`, `.cp`, `.ep`; `OptimizersContainer.optimizers` (the
+optimizers it steps); `TorchFTOptimizersContainer._ft_optimizer` (torchft's OptimizerWrapper, whose
+`.manager` is the Manager) and `._use_ft_optimizer` (False under semi-synchronous training).
 """
 
 from __future__ import annotations
