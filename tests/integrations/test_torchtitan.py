@@ -1,8 +1,9 @@
 """sdpq.torchtitan on 4 gloo ranks as 2 nodes x 2: torchtitan's ParallelDims (its meshes), its
-llama3 (the debug model's width, 2 layers) sharded by its own parallelize_llama, its
+llama3 (the debug model's width, one layer) sharded by its own parallelize_llama, its
 OptimizersContainer and its clip_grad_norm_, with the hook against the same steps without it.
+Every multi-rank case runs in one run of fresh workers (the `runs` fixture).
 
-Shims for a CPU without CUDA (neither changes what sdpq sees):
+Shims for a CPU without CUDA (none changes what sdpq sees):
 - torchtitan picks the device type "cuda" when no accelerator is present: its meshes are built on
   "cpu" instead (`parallel_dims.device_type`);
 - the attention is torchtitan's SDPA module (its default FlexAttention is torch.compile'd, tens of
