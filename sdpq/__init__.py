@@ -38,6 +38,8 @@ _LAZY = {
     "ddp": "sdpq.ddp",
     "deepspeed": "sdpq.deepspeed",
     "hf": "sdpq.hf",
+    "torchtitan": "sdpq.torchtitan",
+    "torchft": "sdpq.torchft",
 }
 
 
