@@ -7,7 +7,8 @@ before the rename can leave its temporary file (".<name>.<pid>.<random>.tmp", wh
 
 The two halves are separate (`write_pending`, then `PendingFile.commit` or `.discard`) so that
 the ranks of a job can agree that every rank's file is written before any of them replaces its
-previous one (_ds_checkpoint.wrap_engine): one full disk then changes no rank's file.
+previous one (`save_agreed`; _ds_checkpoint.wrap_engine): one full disk then changes no rank's
+file, and every rank raises the same `CheckpointSaveError`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,33 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["PendingFile", "save_atomically", "write_pending"]
+__all__ = [
+    "CheckpointLoadError",
+    "CheckpointSaveError",
+    "PendingFile",
+    "every_rank_problem",
+    "ranks_by_value",
+    "save_agreed",
+    "save_atomically",
+    "write_pending",
+]
+
+_SHOWN = 3  # ranks whose problem an agreed error spells out
+
+
+class CheckpointLoadError(ValueError):
+    """A checkpoint's sdpq state cannot be loaded as it is: raised on every rank alike, before any
+    rank restores anything, naming the ranks and what is wrong."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """sdpq's state could not be written on some rank: raised on every rank alike, naming each
+    failed rank, its file and the error; no rank's previous file was replaced."""
 
 
 class PendingFile:
@@ -67,6 +91,63 @@ def save_atomically(obj: object, path: str) -> None:
     except BaseException:
         pending.discard()
         raise
+
+
+def every_rank_problem(problem: str | None, group=None) -> list[str]:
+    """Every rank's problem ("rank r: ..."; a few spelled out), the same list on every rank of
+    `group` (default: the world); empty when none has one. Collective."""
+    texts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(texts, problem, group=group)
+    bad = [r for r, t in enumerate(texts) if t]
+    shown = [f"rank {r}: {texts[r]}" for r in bad[:_SHOWN]]
+    return shown + ([f"and {len(bad) - _SHOWN} more rank(s)"] if len(bad) > _SHOWN else [])
+
+
+def ranks_by_value(values: list, ranks: list[int] | None = None, what: str = "") -> str:
+    """'5 on ranks 0, 2, 3; 3 on rank 1': which ranks hold which value (of `values`, one per
+    rank of `ranks`, default 0, 1, ...), the most common value first."""
+    ranks = list(range(len(values))) if ranks is None else ranks
+    groups: dict = {}
+    for r, v in zip(ranks, values):
+        groups.setdefault(v, []).append(r)
+    parts = []
+    for v, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        who = ", ".join(str(r) for r in rs[:_SHOWN]) + (f" and {len(rs) - _SHOWN} more" if len(rs) > _SHOWN else "")
+        parts.append(f"{what + ' ' if what else ''}{v} on rank{'s' if len(rs) > 1 else ''} {who}")
+    return "; ".join(parts)
+
+
+def save_agreed(obj: object, path: str, agree: Callable[[str | None], list[str]], what: str) -> None:
+    """torch.save(obj, path) on every rank, all or none: every rank writes its file beside its
+    previous one, the ranks agree that all were written (`agree(problem)`: every rank's problems,
+    the same list on every rank), and only then does each replace its previous file. Any rank's
+    failure raises the same CheckpointSaveError on every rank (`what`: the caller, for the
+    message). Collective."""
+    problem, cause, pending = None, None, None
+    outcome = "no rank's previous file was changed"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        pending = write_pending(obj, path)
+    except Exception as e:  # every rank must reach the agreement below
+        problem, cause = f"cannot write {path}: {type(e).__name__}: {e}", e
+    # Note: every rank's new file is complete before any replaces its previous one.
+    try:
+        problems = agree(problem)
+        if not problems and pending is not None:
+            try:
+                pending.commit()
+            except Exception as e:  # a rename that fails (rare): the ranks' files now mix two saves
+                problem, cause = f"cannot replace {path}: {type(e).__name__}: {e}", e
+            problems = agree(problem)
+            outcome = "the other ranks' files are the new ones: do not load this checkpoint"
+    except BaseException:  # the agreement itself failed (a peer died): leave no temporary file
+        if pending is not None:
+            pending.discard()
+        raise
+    if problems:
+        if pending is not None:
+            pending.discard()
+        raise CheckpointSaveError(f"{what}: not saved: {'; '.join(problems)}; {outcome}") from cause
 
 
 def _fsync_dir(directory: str) -> None:

@@ -11,6 +11,10 @@ reads the checkpoint's metadata and, when the saved state has another shape, lea
 the template; `load_state_dict` then rebuilds it: every weight reference is refreshed exactly
 at the first gather (one unquantized all-gather) and the residuals restart from zero, with a
 `ResumeLayoutWarning`. The run continues from the loaded weights and optimizer states.
+
+A checkpoint whose ranks' sdpq states do not hold together (a rank's file from another save or
+another rank, or damaged where DCP does not notice) raises one `CheckpointLoadError` on every rank
+before any rank restores anything (_fsdp_checkpoint_checks.py says why an error, not a rebuild).
 """
 
 from __future__ import annotations
@@ -25,9 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import GradReduceScatter, WeightGather, group_device
+from ._files import CheckpointLoadError, every_rank_problem
+from ._fsdp_checkpoint_checks import disagreements, facts, unfit
 from ._fsdp_hooks import ModuleComms, applied
 
-__all__ = ["state_dict", "load_state_dict", "ResumeLayoutWarning"]
+__all__ = ["state_dict", "load_state_dict", "CheckpointLoadError", "ResumeLayoutWarning"]
+
+# Keys a checkpoint of an earlier sdpq version lacks: left out of the template for such a checkpoint.
+_ADDED_KEYS = (".gathers",)
 
 
 class ResumeLayoutWarning(UserWarning):
@@ -82,6 +91,8 @@ def _weights_state(wg: WeightGather, p: str, state: Mapping[str, torch.Tensor]) 
             s.update(version=version, reference=state[p + "weights.reference"])
     if p + "weights.rng" in state:
         s["generator"] = state[p + "weights.rng"]
+    if p + "gathers" in state:  # absent from checkpoints of earlier versions
+        s["calls"] = int(state[p + "gathers"])
     return s
 
 
@@ -109,6 +120,9 @@ def state_dict(model: nn.Module, *, checkpoint_id: str | os.PathLike | Any | Non
     for c in st.comms:
         p = _prefix(c)
         out[p + "layout"] = torch.tensor(_layout(c), dtype=torch.int64)
+        # Note: every rank gathers every module equally often: a rank whose count differs at a
+        # load holds a file of another save (_fsdp_checkpoint_checks).
+        out[p + "gathers"] = torch.tensor(c.weights.calls, dtype=torch.int64)
         _save_weights(c.weights, p, out)
         for numel, rs in sorted(c.gradients.items()):
             _save_gradients(rs, p + f"gradients.{numel}.", out)
@@ -124,13 +138,34 @@ def state_dict(model: nn.Module, *, checkpoint_id: str | os.PathLike | Any | Non
     return out
 
 
-def _other_layout(template: Mapping[str, torch.Tensor], checkpoint_id, group) -> str | None:
-    """Why the checkpoint's sdpq state does not fit `template` (None if it does), decided alike
-    on every rank (each compares its own keys)."""
+def _saved_sizes(checkpoint_id) -> tuple[dict | None, str | None]:
+    """{key: shape or None} of the checkpoint's metadata, or why it cannot be read."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    reader = FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
-    saved = {k: getattr(m, "size", None) for k, m in reader.read_metadata().state_dict_metadata.items()}
+    try:
+        reader = FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
+        return {k: getattr(m, "size", None) for k, m in reader.read_metadata().state_dict_metadata.items()}, None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _other_layout(template: dict[str, torch.Tensor], checkpoint_id, group) -> str | None:
+    """Why the checkpoint's sdpq state does not fit `template` (None if it does), decided alike
+    on every rank (each compares its own keys). A key of _ADDED_KEYS the checkpoint lacks is taken
+    out of the template (a checkpoint of an earlier version). Raises CheckpointLoadError on every
+    rank if any rank cannot read the checkpoint's metadata."""
+    saved, unreadable = _saved_sizes(checkpoint_id)
+    # Note: no rank may raise before the others reach this agreement.
+    problems = every_rank_problem(unreadable and f"cannot read its metadata: {unreadable}", group)
+    if problems:
+        raise CheckpointLoadError(
+            f"sdpq.fsdp.state_dict: checkpoint {checkpoint_id}: {'; '.join(problems)}; it is not a complete DCP "
+            "checkpoint (a save that failed or was killed leaves none): load another one"
+        )
+    assert saved is not None
+    for key in [k for k in template if k.endswith(_ADDED_KEYS)]:
+        if not any(k == key or k.endswith("." + key) for k in saved):
+            del template[key]
     problem, nest = None, None
     for key, t in template.items():
         # The caller nests our dict under a key of its choice: DCP stores "<their key>.<ours>".
@@ -162,7 +197,7 @@ def _rebuild(model: nn.Module, why: str) -> None:
     """Resume without sdpq's saved state: exact reference refresh, residuals from zero."""
     if dist.get_rank() == 0:
         warnings.warn(
-            f"sdpq.fsdp.load_state_dict: the checkpoint's sdpq state is of another layout ({why}); "
+            f"sdpq.fsdp.load_state_dict: the checkpoint's sdpq state is of another layout or configuration ({why}); "
             "the weight references are refreshed exactly at the first gather and the error-feedback "
             "residuals restart from zero",
             ResumeLayoutWarning,
@@ -185,22 +220,16 @@ def load_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None
         why, st.relayout_from = st.relayout_from, None
         _rebuild(model, why)
         return
+    # Note: every rank checks, then all agree, before any restores (_fsdp_checkpoint_checks).
+    problems = every_rank_problem(unfit(st.comms, state, _prefix))
+    problems = problems or disagreements(facts(st.comms, state, _prefix))
+    if problems:
+        raise CheckpointLoadError(
+            f"sdpq.fsdp.load_state_dict: {'; '.join(problems)}; no rank loaded sdpq's state: load another "
+            "checkpoint (its model and optimizer shards come from the same files)"
+        )
     for c in st.comms:
         p = _prefix(c)
-        layout, mine = state.get(p + "layout"), _layout(c)
-        if layout is None or layout.tolist() != mine:
-            raise ValueError(
-                f"sdpq.fsdp.load_state_dict: no state for {c.fqn or '<root>'} with layout (world, ranks_per_node, "
-                f"numel) = {mine} (saved: {None if layout is None else layout.tolist()}); to resume on another "
-                "layout, build the template with sdpq.fsdp.state_dict(model, checkpoint_id=<the checkpoint>)"
-            )
-        if c.replicate is not None:
-            saved_rep, rep = state.get(p + "replicate.layout"), [c.replicate.world_size, c.replicate.ranks_per_node]
-            if saved_rep is None or saved_rep.tolist() != rep:
-                raise ValueError(
-                    f"sdpq.fsdp.load_state_dict: {c.fqn or '<root>'}: the checkpoint's replicate group is "
-                    f"{None if saved_rep is None else saved_rep.tolist()} (ranks, per node), this run's {rep}"
-                )
         c.weights.load_state_dict(_weights_state(c.weights, p, state))
         saved = [(f"gradients.{n}.", rs) for n, rs in c.gradients.items()]
         saved += [(f"replicate.{n}.", ar.reduce_scatter) for n, ar in c.replicas.items()]

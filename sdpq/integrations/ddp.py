@@ -23,12 +23,14 @@ Note (invariants):
   future is completed there. The host waits only once per bucket, when its collective is built
   (the agreement check reads its result), at the bucket's first quantized use.
 
-Checkpoints: `state_dict(model)` / `load_state_dict(model, state)` carry each bucket's residual
-and rounding stream and the iteration count (per rank; save it next to the model's). DDP's first
-buckets after a restart are laid out in its initial order; a bucket that holds the parameters of
-a saved one is all-reduced in the saved order, so a resumed run continues bitwise where DDP
-buckets the same parameters as before (the usual case); a bucket of other parameters is
-all-reduced exactly in that first iteration, until DDP has rebuilt its buckets.
+Checkpoints (_ddp_checkpoint.py): `save_checkpoint(model, directory)` / `load_checkpoint(model,
+directory)` write and read one file per rank, every rank's or none, and agree across ranks before
+acting on what a rank read; `state_dict` / `load_state_dict` carry the same state as a dict. Each
+bucket's residual and rounding stream and the iteration count are saved. DDP's first buckets
+after a restart are laid out in its initial order; a bucket that holds the parameters of a saved
+one is all-reduced in the saved order, so a resumed run continues bitwise where DDP buckets the
+same parameters as before (the usual case); a bucket of other parameters is all-reduced exactly
+in that first iteration, until DDP has rebuilt its buckets.
 """
 
 from __future__ import annotations
@@ -50,8 +52,28 @@ from ..comm.segments import Segment
 from ..comm.stats import Recorder, process_stats, register_holder
 from ..config import Config
 from ._config_arg import as_config
+from ._ddp_checkpoint import (  # re-exported as sdpq.ddp.*
+    CheckpointLoadError,
+    CheckpointSaveError,
+    load_checkpoint,
+    load_state_dict,
+    save_checkpoint,
+    state_dict,
+)
 
-__all__ = ["apply", "remove", "is_applied", "state_dict", "load_state_dict", "DDPState", "EXACT_ITERATIONS"]
+__all__ = [
+    "apply",
+    "remove",
+    "is_applied",
+    "save_checkpoint",
+    "load_checkpoint",
+    "state_dict",
+    "load_state_dict",
+    "CheckpointLoadError",
+    "CheckpointSaveError",
+    "DDPState",
+    "EXACT_ITERATIONS",
+]
 
 ATTR = "_sdpq_ddp"
 # Iterations all-reduced exactly: DDP's first buckets are rebuilt after the first iteration.
@@ -253,42 +275,6 @@ def _state_of(model: nn.Module) -> DDPState:
     if not isinstance(state, DDPState):
         raise RuntimeError("sdpq.ddp: sdpq is not applied to this model (call sdpq.ddp.apply first)")
     return state
-
-
-def state_dict(model: nn.Module) -> dict:
-    """This rank's sdpq state (per bucket: error-feedback residual, rounding stream, call count;
-    the iteration count), for torch.save next to the model and optimizer."""
-    state = _state_of(model)
-    return {
-        "iteration": state.iteration,
-        "layout": state.topology.layout,
-        "buckets": [
-            {
-                "key": list(key),
-                "segments": None if (lay := state.layouts[key]).segments is None else [list(s) for s in lay.segments],
-                "params": list(lay.params),
-                "state": ar.state_dict(),
-            }
-            for key, ar in state.reducers.items()
-        ],
-    }
-
-
-def load_state_dict(model: nn.Module, saved: Mapping[str, Any]) -> None:
-    """Restore `state_dict`'s output (collective: builds each saved bucket's all-reduce)."""
-    state = _state_of(model)
-    if saved.get("layout") != state.topology.layout:
-        raise ValueError(
-            f"sdpq.ddp.load_state_dict: saved on layout {saved.get('layout')!r}, this run is {state.topology.layout!r}"
-        )
-    for b in saved["buckets"]:
-        segments = None if b["segments"] is None else [Segment(*x) for x in b["segments"]]
-        layout = _Layout(tuple(b["key"]), segments, tuple(b["params"]))
-        state.reducer(layout, _device(model)).load_state_dict(b["state"])
-    state.iteration = int(saved["iteration"])
-    # Note: DDP's first iteration after a restart runs on its initial buckets; one that holds
-    # other parameters than every saved bucket is all-reduced exactly then (see the module).
-    state.exact_until = state.iteration + 1
 
 
 def _device(model: nn.Module) -> torch.device:

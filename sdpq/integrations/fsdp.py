@@ -60,7 +60,12 @@ from ..comm.stats import process_stats
 from ..config import Config
 from . import _fsdp_internals as fsdp_internals
 from ._config_arg import as_config
-from ._fsdp_checkpoint import ResumeLayoutWarning, load_state_dict, state_dict  # re-exported as sdpq.fsdp.*
+from ._fsdp_checkpoint import (  # re-exported as sdpq.fsdp.*
+    CheckpointLoadError,
+    ResumeLayoutWarning,
+    load_state_dict,
+    state_dict,
+)
 from ._fsdp_hooks import (
     MODULE_ATTR,
     ROOT_ATTR,
@@ -79,6 +84,7 @@ __all__ = [
     "mark_weights_changed",
     "state_dict",
     "load_state_dict",
+    "CheckpointLoadError",
     "ResumeLayoutWarning",
     "is_applied",
     "module_comms",
