@@ -9,20 +9,19 @@ import os
 
 import numpy.random  # noqa: F401  (see the Note below)
 import torch
-import torch._dynamo  # noqa: F401  (see the Note below)
 import torch.distributed as tdist
+from faults_common import warm_up_before_fork
 from torch.nn.parallel import DistributedDataParallel
 
 import sdpq
 import sdpq.integrations.ddp  # noqa: F401  (see the Note below)
 from sdpq.comm.reference_health import checksum
-from sdpq.kernels import native
 from sdpq.train.data import TokenData
 from sdpq.train.model import GPT, GPTConfig
 
 # Note (CI time): what every rank would import or load at its first step, done once here, before
-# the harness forks the ranks from this process (see fsdp_faults_job.py).
-native.load("codec")
+# the harness forks the ranks from this process (faults_common.warm_up_before_fork).
+warm_up_before_fork()
 
 WORLD, RPN = 4, 2
 TINY = GPTConfig(n_layer=1, d_model=64, n_head=2, seq_len=32)

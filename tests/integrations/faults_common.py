@@ -34,12 +34,27 @@ __all__ = [
     "run_to_the_end",
     "save_on_a_full_disk",
     "tree",
+    "warm_up_before_fork",
 ]
 
 # How one rank's file is damaged: cut to half its size, overwritten with as many random bytes,
 # deleted, replaced by another rank's file of the same checkpoint, or by this rank's file of the
 # run's earlier checkpoint.
 DAMAGES = ("truncated", "random", "deleted", "other-rank", "stale")
+
+
+def warm_up_before_fork() -> None:
+    """Do here, once, what every rank forked from this process would do at its first step: import
+    torch._dynamo and its lazily loaded parts (torch._inductor, sympy, networkx: FSDP2's DTensors
+    and every optimizer's first add_param_group reach them) and load sdpq's C++ kernels. Note (CI
+    time): about a CPU second a rank (four with DeepSpeed) less for every fresh pool."""
+    import torch._dynamo  # noqa: F401
+
+    from sdpq.kernels import native
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # dynamo's disable wrapper, once
+    for name in ("codec", "adamw", "finite"):
+        native.load(name)
 
 
 def damage(path: str, how: str, *, other_rank: str | None = None, earlier: str | None = None) -> None:

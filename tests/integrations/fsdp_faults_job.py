@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy.random  # noqa: F401  (see the Note below)
 import torch
-import torch._dynamo  # noqa: F401  (see the Note below)
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401  (see the Note below)
+from faults_common import warm_up_before_fork
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -22,15 +22,13 @@ from torch.distributed.fsdp import fully_shard
 
 import sdpq
 import sdpq.integrations.fsdp  # noqa: F401  (see the Note below)
-from sdpq.kernels import native
 from sdpq.train.data import TokenData
 from sdpq.train.model import GPT, GPTConfig
 
-# Note (CI time): what every rank would import or load at its first step (torch._dynamo, which
-# FSDP2's DTensors import; DCP's file system; sdpq's FSDP adapter; the C++ kernels; numpy's
-# generators for the batches), done once here, before the harness forks the ranks from this
-# process: about a CPU second a rank less for every fresh pool.
-native.load("codec")
+# Note (CI time): what every rank would import or load at its first step (DCP's file system, sdpq's
+# FSDP adapter, numpy's generators for the batches, faults_common.warm_up_before_fork), done once
+# here, before the harness forks the ranks from this process.
+warm_up_before_fork()
 
 WORLD, RPN = 4, 2
 TINY = GPTConfig(n_layer=1, d_model=64, n_head=2, seq_len=32)
