@@ -8,11 +8,13 @@ What main did before sdpq.fsdp agreed on a load (issue 48): a rank's file from t
 checkpoint ("stale") loaded silently; with 1-D FSDP the two nodes then computed with different
 weights (their references disagreed), with HSDP the model was silently a mix of two saves. A
 file DCP cannot read (truncated, random bytes, deleted, another rank's) already raised DCP's
-CheckpointException on every rank, a full disk during a save too, and a killed rank's survivors
-exited; those are kept here.
+CheckpointException on every rank, a full disk during a save too, the directory of a failed or
+killed save a FileNotFoundError (its .metadata) on every rank (now one CheckpointLoadError saying
+why), and a killed rank's survivors exited; those are kept here.
 
-Note (CI time): one worker run per setup saves the checkpoints, damages copies of one and loads
-each into one model; the killed ranks need a pool of their own each (faults_common)."""
+Note (CI time): per setup, the job that writes the checkpoints ends with a rank killed mid-save
+(a pool of its own, faults_common.run_to_the_end), then one worker run damages copies and loads
+each into one model; the rank killed mid-step needs a pool of its own too."""
 
 from __future__ import annotations
 
