@@ -4,14 +4,15 @@ by `engine.load_checkpoint` after them (`wrap_engine`); what the files hold is t
 (_ds_zero3_state.py, _ds_zero12_state.py), how a load decides is the adapters' base
 (_ds_base.py).
 
-A save: every rank writes its file beside the previous one (_files.py), the ranks agree that all
-were written, and only then does each replace its previous file, atomically; so a write that
-fails on one rank (a full disk) changes no rank's file and raises the same `CheckpointSaveError`
-on every rank, before DeepSpeed writes anything. A load reads and validates the file
-(`read_state`, never raising) and the ranks agree on what they found (`agree_on_problems`). On
-another layout with the same world size (2 x 2 saved, 4 x 1 loaded) DeepSpeed loads its
-partitions and sdpq's state is rebuilt with a warning; another world size is refused by
-DeepSpeed's own loader.
+A save is _files.save_agreed: every rank writes its file beside the previous one, the ranks agree
+that all were written, and only then does each replace its previous file, atomically; so a write
+that fails on one rank (a full disk) changes no rank's file and raises the same
+`CheckpointSaveError` (_files.py's, re-exported) on every rank, before DeepSpeed writes anything;
+a rank killed before its rename changes no file either, and the others, whose agreement fails,
+discard their temporary files. A load reads and validates the file (`read_state`, never raising)
+and the ranks agree on what they found (`agree_on_problems`). On another layout with the same
+world size (2 x 2 saved, 4 x 1 loaded) DeepSpeed loads its partitions and sdpq's state is rebuilt
+with a warning; another world size is refused by DeepSpeed's own loader.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_rows
-from ._files import write_pending
+from ._files import CheckpointSaveError, save_agreed
 
 __all__ = [
-    "CheckpointSaveError",
     "STATE_FILE",
     "agree_on_problems",
     "read_state",
@@ -36,11 +36,6 @@ __all__ = [
 
 STATE_FILE = "sdpq_rank{rank:05d}.pt"
 _SHOWN = 3  # ranks whose problem a load warning spells out
-
-
-class CheckpointSaveError(RuntimeError):
-    """sdpq's state could not be written on some rank: raised on every rank, before DeepSpeed
-    writes anything, naming each failed rank, its file and the error."""
 
 
 def wrap_engine(adapter) -> None:
@@ -55,30 +50,10 @@ def wrap_engine(adapter) -> None:
         if tag is None:
             tag = f"global_step{eng.global_steps}"  # DeepSpeed's default tag
         path = os.path.join(save_dir, str(tag))
-        file, problem, cause, pending = adapter._state_path(path), None, None, None
-        outcome = "no rank's previous file of this tag was changed"
         try:
-            os.makedirs(path, exist_ok=True)
-            pending = write_pending(adapter.state_dict(), file)
-        except Exception as e:  # every rank must reach the agreement below (DeepSpeed's save is collective)
-            problem, cause = f"cannot write {file}: {type(e).__name__}: {e}", e
-        # Note: every rank's new file is complete before any replaces its previous one, so a
-        # failure on one rank leaves every rank's previous file of this tag as it was.
-        problems = adapter._agree(problem)
-        if not problems and pending is not None:
-            try:
-                pending.commit()
-            except Exception as e:  # a rename that fails (rare): the tag's files now mix two saves
-                problem, cause = f"cannot replace {file}: {type(e).__name__}: {e}", e
-            problems = adapter._agree(problem)
-            outcome = "the other ranks' files of this tag are the new ones: do not load this tag"
-        if problems:
-            if pending is not None:
-                pending.discard()
-            raise CheckpointSaveError(
-                f"sdpq: checkpoint {path} not saved: {'; '.join(problems)}; {outcome}, and nothing of "
-                "DeepSpeed's was written"
-            ) from cause
+            save_agreed(adapter.state_dict(), adapter._state_path(path), adapter._agree, f"sdpq: checkpoint {path}")
+        except CheckpointSaveError as e:
+            raise CheckpointSaveError(f"{e}; nothing of DeepSpeed's was written") from e.__cause__
         return orig_save(save_dir, tag, *args, **kwargs)
 
     def load_checkpoint(load_dir, *args, **kwargs):

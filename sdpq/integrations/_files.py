@@ -42,7 +42,8 @@ class CheckpointLoadError(ValueError):
 
 class CheckpointSaveError(RuntimeError):
     """sdpq's state could not be written on some rank: raised on every rank alike, naming each
-    failed rank, its file and the error; no rank's previous file was replaced."""
+    failed rank, its file and the error; no rank's previous file was replaced (sdpq.ddp's and
+    sdpq.deepspeed's save_checkpoint; DeepSpeed's then writes nothing of its own)."""
 
 
 class PendingFile:

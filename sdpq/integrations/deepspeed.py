@@ -47,9 +47,9 @@ from . import _ds_engine_internals as engine_internals
 from . import _ds_zero3_internals, _ds_zero12_internals
 from ._ds_adapter import STATE_FILE, DeepSpeedAdapter
 from ._ds_base import DeepSpeedAdapterBase
-from ._ds_checkpoint import CheckpointSaveError
 from ._ds_config import IncompatibleConfigError, check_config, prepare_config
 from ._ds_zero12 import Zero12Adapter
+from ._files import CheckpointSaveError
 
 __all__ = [
     "initialize",
