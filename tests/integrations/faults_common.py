@@ -29,6 +29,7 @@ __all__ = [
     "damage",
     "full_disk",
     "kill_this_rank",
+    "kill_within_next_save",
     "killed_at",
     "outcome",
     "run_to_the_end",
@@ -136,6 +137,21 @@ def kill_this_rank(out_dir: str) -> None:
     with open(os.path.join(out_dir, "killed_at"), "w") as f:
         f.write(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_within_next_save(out_dir: str) -> None:
+    """Arm this rank: its next sdpq save (_files.write_pending, which every agreed save calls)
+    writes the new file completely beside the old one, then the process is killed (kill_this_rank)
+    before the ranks agree and rename."""
+    import sdpq.integrations._files as sdpq_files
+
+    write_pending = sdpq_files.write_pending
+
+    def dying(*args, **kwargs):
+        write_pending(*args, **kwargs)
+        kill_this_rank(out_dir)
+
+    sdpq_files.write_pending = dying
 
 
 def _to_the_end(ctx, fn, out_dir: str, args: tuple) -> None:

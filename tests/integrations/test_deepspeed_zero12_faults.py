@@ -21,6 +21,7 @@ deepspeed = pytest.importorskip("deepspeed")
 import deepspeed.runtime.zero.stage_1_and_2  # noqa: E402,F401,F811  (before the pools fork)
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
+from faults_common import damage  # noqa: E402
 from zero12_common import TIMEOUT, build, prints, train  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
@@ -52,21 +53,11 @@ def _damage(ckpt: str, stage: int, how: str) -> str:
     shutil.copytree(src, dst)
     name = sds.STATE_FILE.format(rank=BAD)
     path = os.path.join(dst, name)
-    if how == "truncated":
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
-    elif how == "random":
-        size = os.path.getsize(path)
-        with open(path, "wb") as f:
-            f.write(os.urandom(size))
-    elif how == "deleted":
-        os.remove(path)
-    elif how == "other-config":
-        shutil.copy(os.path.join(ckpt, f"t{3 - stage}", name), path)
-    elif how == "other-rank":
-        shutil.copy(os.path.join(dst, sds.STATE_FILE.format(rank=2)), path)
-    else:  # "stale": rank BAD's file of the same run's earlier checkpoint
-        shutil.copy(os.path.join(ckpt, f"early{stage}", name), path)
+    if how == "other-config":  # the other stage's file (another block): a copy, as "stale" is
+        damage(path, "stale", earlier=os.path.join(ckpt, f"t{3 - stage}", name))
+    else:
+        other, earlier = os.path.join(dst, sds.STATE_FILE.format(rank=2)), os.path.join(ckpt, f"early{stage}", name)
+        damage(path, how, other_rank=other, earlier=earlier)
     return tag
 
 
