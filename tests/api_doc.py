@@ -29,6 +29,8 @@ MODULES = (
     "sdpq.deepspeed",
     "sdpq.ddp",
     "sdpq.hf",
+    "sdpq.torchtitan",
+    "sdpq.torchft",
     "sdpq.stats",
     "sdpq.memory",
     "sdpq.plan",
