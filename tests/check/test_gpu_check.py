@@ -15,13 +15,20 @@ from sdpq.check.steps import STEPS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Note: the rehearsal leaves out train_zero3 to keep CI inside its time (about a minute of 4 ranks
+# running DeepSpeed on interpreted Triton kernels); its device-mode ZeRO-3 collectives are
+# tests/integrations/test_deepspeed_devices.py's, and `./run gpu-check --rehearse` still runs it.
+REHEARSED = [name for name in STEPS if name != "train_zero3"]
+
+
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    """One rehearsal of the whole check, as CI and a developer run it: `./run gpu-check --rehearse`."""
+    """One rehearsal of the check as a developer runs it (`./run gpu-check --rehearse`), but for
+    the steps named above."""
     out = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ, SDPQ_PYTHON=sys.executable)
     proc = subprocess.run(
-        [str(ROOT / "run"), "gpu-check", "--rehearse", "--out", str(out)],
+        [str(ROOT / "run"), "gpu-check", "--rehearse", "--out", str(out), "--only", *REHEARSED],
         env=env,
         capture_output=True,
         text=True,
@@ -36,11 +43,11 @@ def test_rehearsal_passes_and_writes_both_reports(rehearsal):
     doc = json.loads((out / "gpu_report.json").read_text())
     md = (out / "gpu_report.md").read_text()
     statuses = {s["name"]: s["status"] for s in doc["steps"]}
-    assert list(statuses) == list(STEPS), "the JSON names every step, in order"
+    assert list(statuses) == REHEARSED, "the JSON names every step run, in order"
     failed = {n: s for n, s in statuses.items() if s != "pass"}
     assert not failed, f"{failed}\n{proc.stdout[-4000:]}"
     assert proc.returncode == 0 and doc["passed"] and doc["meta"]["rehearsal"]
-    for name in STEPS:
+    for name in REHEARSED:
         assert f"| {name} | pass |" in md
     fsdp = next(s for s in doc["steps"] if s["name"] == "train_fsdp")
     # the interpreted Triton kernels train as the C++ kernels do (nearest rounding is bitwise;

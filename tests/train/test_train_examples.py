@@ -187,12 +187,14 @@ _IN_README = {
 
 
 # Run by other tests: the flags test runs zero3_sdpq_gradients.json on DeepSpeed; FSDP2 reads the
-# blocks of the weights-only and gradients-only configs as it reads zero3_sdpq.json's, a README
-# example, whose block holds both sections as they have them.
+# blocks of the weights-only, gradients-only and optimizer-only configs as it reads
+# zero3_sdpq.json's, a README example, whose block holds all three sections (the optimizer-only
+# config's exact weight and gradient modes are what every plain FSDP2 run here counts bytes with).
 _RUN_ELSEWHERE = {
     ("zero3_sdpq_gradients.json", "deepspeed"),
     ("zero3_sdpq_weights.json", "fsdp2"),
     ("zero3_sdpq_gradients.json", "fsdp2"),
+    ("zero3_sdpq_optimizer.json", "fsdp2"),
 }
 
 
