@@ -5,7 +5,8 @@ One emulated cluster (``sdpq.launch.netns.EmulatedNodes``: 2 nodes x 2 ranks, a 
 per node, a shaped link) runs every job as on a real cluster (one torchrun per node, gloo). Each
 job runs twice, with ``--short`` and ``--long`` steps; a figure per step is the difference of the
 two runs over the extra steps, which removes start-up, rendezvous and the first step's exact
-weight exchange from the wire and the model alike. Per job and step:
+weight exchange from the wire and the model alike. Per job and step (and the long run's median
+step time after its warm-up steps, `step_seconds`: run it on an otherwise idle machine):
 
 - ``wire``: the link interface's byte counters (both directions; TCP/IP headers and
   acknowledgements included);
@@ -73,6 +74,7 @@ def _run(cluster: EmulatedNodes, backend: str, block: dict | None, steps: int, a
         "least": sum(c["bytes"] for c in inter),
         "ring": sum(c["ring_bytes"] for c in inter),
         "final_loss": r["losses"][-1],
+        "step_seconds": r["step_seconds"],  # median after the warm-up steps (sdpq.train)
     }
 
 
@@ -105,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                     port += 1  # a fresh rendezvous port per job (no TIME_WAIT collisions)
                     runs.append(_run(cluster, backend, block, steps, args, Path(tmp), port))
                 per_step = {k: (runs[1][k] - runs[0][k]) / extra for k in ("wire", "least", "ring")}
-                rows.append({"backend": BACKENDS[backend], "arm": arm, **per_step, "final_loss": runs[1]["final_loss"]})
+                rows.append(
+                    {
+                        "backend": BACKENDS[backend],
+                        "arm": arm,
+                        **per_step,
+                        "final_loss": runs[1]["final_loss"],
+                        "step_seconds": runs[1]["step_seconds"],
+                    }
+                )
                 print(f"[{time.strftime('%H:%M:%S')}] {rows[-1]}", flush=True)
     by = {(r["backend"], r["arm"]): r for r in rows}
     table = []
@@ -122,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 "wire/ring": f"{r['wire'] / r['ring']:.2f}",
                 "wire ratio": f"{r['wire'] / base['wire']:.3f}",
                 "least ratio": f"{r['least'] / base['least']:.3f}",
+                "step s": f"{r['step_seconds']:.3f}",
+                "step ratio": f"{r['step_seconds'] / base['step_seconds']:.3f}",
             }
         )
     print_table(table, f"cross-node bytes per step, {NODES}x{RPN}, {args.bandwidth} link")
