@@ -45,7 +45,7 @@ REFERENCE_FILES = ("reference_long.json", "reference_long_int8.json")
 # which counts a world-wide all-gather, reduce-scatter or all-reduce L = 2 times its least traffic
 # (sdpq's cross-node collectives, one rank per node, and HSDP's replicate groups are the same in
 # both): their byte rows say so, and the README quotes none of them.
-LEAST_COUNTED = {"demo_bf16_40steps_least.json", "wire_bytes.json"}
+LEAST_COUNTED = {"demo_bf16_40steps_least.json", "wire_bytes.json", "long_bytes.json"}
 PER_MEMBER_UNAFFECTED = {"bytes-hsdp"}  # groups of one rank per node: the two counts agree
 PER_MEMBER = " [counted per member: the baseline's world collectives at 2x their least traffic]"
 COLUMNS = ("key", "what you get", "sdpq", "baseline", "sdpq / baseline", "file", "command", "date", "commit", "machine")
@@ -294,8 +294,21 @@ def _emulated_rows(src: Source) -> list[Row]:
 LONG_FRAMEWORKS = {"fsdp2": "FSDP2", "zero3": "ZeRO-3"}  # the long-run protocol's, as the rows name them
 
 
-def _long_bytes_row(src: Source, key: str, label: str, where: str, x: dict, arm: str) -> Row:
-    """Cross-node bytes of one arm of a long-run summary against its bf16 baseline."""
+def _long_bytes_row(src: Source, key: str, label: str, where: str, x: dict, arm: str, fw: str, steady: Source) -> Row:
+    """Cross-node bytes of one arm of a long-run summary against its bf16 baseline: counted again
+    by the one byte model on steady steps (benchmarks/long_bytes.py) where that file has the arm,
+    else the study's own count."""
+    counted = steady.data["steady"].get(fw, {}) if steady.exists else {}
+    if arm in counted:
+        n = steady.data["args"]["steps"]
+        return steady.row(
+            key,
+            f"cross-node bytes per steady step vs bf16 {label}, process-group meter (the long-run study's "
+            f"Llama-shaped model and protocol, seed 0, `{arm}`; difference of {n}- and {2 * n}-step runs)",
+            _mb(counted[arm]),
+            _mb(counted["baseline"]),
+            f"{counted[arm] / counted['baseline']:.3f}",
+        )
     bytes_ = x["meter_cross_node_bytes_per_step"]
     return src.row(
         key,
@@ -306,7 +319,7 @@ def _long_bytes_row(src: Source, key: str, label: str, where: str, x: dict, arm:
     )
 
 
-def _long_rows(src: Source) -> list[Row]:
+def _long_rows(src: Source, steady: Source) -> list[Row]:
     if not src.exists:
         return [
             Row(
@@ -335,7 +348,7 @@ def _long_rows(src: Source) -> list[Row]:
                 f"{x['baseline_mean']:.4f} (sd {x['baseline_sd']:.4f}; val {x['val_loss']['baseline']:.4f})",
                 f"{x['diff_percent']:+.2f}% ({x['diff_in_baseline_sd']:+.2f} sd)",
             ),
-            _long_bytes_row(src, f"bytes-long-{fw}", label, where, x, "sdpq"),
+            _long_bytes_row(src, f"bytes-long-{fw}", label, where, x, "sdpq", fw, steady),
             src.row(
                 f"optimizer-long-{fw}",
                 f"optimizer bytes per parameter vs bf16 {label} ({where})",
@@ -347,7 +360,7 @@ def _long_rows(src: Source) -> list[Row]:
     return rows
 
 
-def _below_four_rows(src: Source) -> list[Row]:
+def _below_four_rows(src: Source, steady: Source) -> list[Row]:
     """The screen's chosen setting on the long-run protocol (benchmarks/frontier_long.py): its
     paired loss difference and its cross-node bytes against the bf16 baselines."""
     rows = []
@@ -359,7 +372,7 @@ def _below_four_rows(src: Source) -> list[Row]:
             label = LONG_FRAMEWORKS.get(fw, fw)
             where = f"Llama-shaped model, seeds {', '.join(map(str, x['seeds']))}, {steps} steps, `{setting}`"
             rows += [
-                _long_bytes_row(src, f"bytes-{setting}-{fw}", label, where, x, setting),
+                _long_bytes_row(src, f"bytes-{setting}-{fw}", label, where, x, setting, fw, steady),
                 src.row(
                     f"loss-{setting}-{fw}",
                     f"long-run training loss vs bf16 {label}, mean over seeds ({where})",
@@ -485,12 +498,13 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
         if missing:
             raise SystemExit(f"benchmarks/results_page.py: missing results file(s): {', '.join(missing)}")
         out += build(srcs) if build is _zeropp_rows else build(*srcs)
-    out += _long_rows(long)
+    steady = load(results_dir, "long_bytes.json", "benchmarks/long_bytes.py")
+    out += _long_rows(long, steady)
     if below.exists:  # written by a study of hours; the page is whole without it
-        out += _below_four_rows(below)
+        out += _below_four_rows(below, steady)
     for reference in references:  # the weight reference's storage on the long-run protocol
         if reference.exists:
-            out += _below_four_rows(reference)
+            out += _below_four_rows(reference, steady)
     optional = (  # (results file, its rows), each left out until its study has run
         (plan_check, results_memory.measured_rows),
         (memory_table, results_memory.planned_rows),

@@ -130,7 +130,9 @@ def test_long_run_rows_from_convergence_long_summary(tmp_path):
             }
     summary = convergence_long.summarize(runs, None)
     results = tmp_path / "results"
-    shutil.copytree(results_page.RESULTS_DIR, results, ignore=shutil.ignore_patterns("convergence_long.*"))
+    # Without benchmarks/long_bytes.py's file the byte rows are the study's own.
+    ignore = shutil.ignore_patterns("convergence_long.*", "long_bytes.json")
+    shutil.copytree(results_page.RESULTS_DIR, results, ignore=ignore)
     (results / "convergence_long.json").write_text(
         json.dumps({"args": {"steps": 60, "seeds": "0,1,2"}, "meta": {}, "summary": summary, "runs": runs})
     )
@@ -225,3 +227,16 @@ def test_patterns_catch_what_they_should():
         assert any(p.search(s) for p, _ in WORK_HISTORY), s
     for s in ["rounding", "rounded up", "[GPU](#gpu)", "`C#`", "a round trip"]:
         assert not any(p.search(s) for p, _ in WORK_HISTORY), s
+
+
+def test_long_run_byte_rows_come_from_the_steady_recount():
+    """benchmarks/long_bytes.py's least-traffic recount replaces the long-run studies' own byte
+    counts (counted per member) for every arm it has, and only those."""
+    steady = json.loads((results_page.RESULTS_DIR / "long_bytes.json").read_text())["steady"]
+    rows = {r.key: r for r in results_page.rows()}
+    for key, fw, arm in (("bytes-long-fsdp2", "fsdp2", "sdpq"), ("bytes-w2-g4-zero3", "zero3", "w2-g4")):
+        assert rows[key].file == "`long_bytes.json`"
+        assert rows[key].ratio == f"{steady[fw][arm] / steady[fw]['baseline']:.3f}"
+        assert "counted per member" not in rows[key].what
+    assert set(steady["fsdp2"]) == {"baseline", "sdpq", "w2-g4", "ref-auto"}
+    assert "counted per member" in rows["bytes-zero1"].what  # a study long_bytes.py does not count
