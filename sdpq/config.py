@@ -434,8 +434,9 @@ gradient error feedback on or off (`benchmarks/frontier.py`, one seed, 200 steps
   it on small coordinates.
 
 For the fewest bytes at the baseline's loss, set `{"weights": {"bits": 2}}` and keep the gradient
-defaults. Over 1000 steps and 3 seeds this sends 0.098 of bf16 ZeRO-3's cross-node bytes and 0.050
-of FSDP2's (`benchmarks/frontier_long.py`).
+defaults. Over 1000 steps and 3 seeds it kept the baseline's loss (`benchmarks/frontier_long.py`), and
+it sends 0.099 of bf16 FSDP2's cross-node bytes and about 0.13 of ZeRO-3's when ZeRO-3 gathers the
+weights again in the backward, as at scale (least traffic: `benchmarks/long_bytes.py`, `sdpq plan`).
 """
 
 
