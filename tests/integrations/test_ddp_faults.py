@@ -22,10 +22,18 @@ import shutil
 
 import torch
 from ddp_faults_job import BLOCK, OTHER_BLOCK, RPN, TRAIN_FILE, WORLD, build, load, replica, save, train
-from faults_common import DAMAGES, damage, kill_this_rank, killed_at, outcome, run_to_the_end, save_on_a_full_disk
+from faults_common import (
+    DAMAGES,
+    damage,
+    kill_this_rank,
+    kill_within_next_save,
+    killed_at,
+    outcome,
+    run_to_the_end,
+    save_on_a_full_disk,
+)
 
 import sdpq.comm.allreduce
-import sdpq.integrations._files as sdpq_files
 from sdpq.integrations._ddp_checkpoint import STATE_FILE
 
 BAD = 1  # the rank whose file is damaged, whose disk fills, that is killed during a save
@@ -59,13 +67,7 @@ def _checkpoints_then_killed_save(ctx, out_dir: str, ckpt: str) -> None:
     if ctx.rank == 0:
         torch.save(replica(model), f"{out_dir}/uninterrupted")
     if ctx.rank == BAD:
-        write_pending = sdpq_files.write_pending
-
-        def dying(*args, **kwargs):
-            write_pending(*args, **kwargs)  # the new file complete beside the old one, then killed
-            kill_this_rank(out_dir)
-
-        sdpq_files.write_pending = dying
+        kill_within_next_save(out_dir)  # the new file complete beside the old one, then killed
     save(model, opt, f"{ckpt}/t")  # over t
 
 

@@ -21,7 +21,7 @@ deepspeed = pytest.importorskip("deepspeed")
 import deepspeed.runtime.zero.stage_1_and_2  # noqa: E402,F401,F811  (before the pools fork)
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
-from faults_common import damage  # noqa: E402
+from faults_common import damage, tree  # noqa: E402
 from zero12_common import TIMEOUT, build, prints, train  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
@@ -164,22 +164,13 @@ def test_a_damaged_state_file_rebuilds_on_every_rank(dist, tmp_path):
         print(f"stage {stage}: {res[0][(stage, 'random')]['warned'][0]}")
 
 
-def _tree(path: str) -> dict[str, bytes]:
-    out = {}
-    for root, _, names in os.walk(path):
-        for n in names:
-            with open(os.path.join(root, n), "rb") as f:
-                out[os.path.relpath(os.path.join(root, n), path)] = f.read()
-    return out
-
-
 def _save_fails_fn(ctx, ckpt: str):
     eng = build(2, BLOCKS[2], seed=0)
     adapter = sds.get_adapter(eng)
     train(ctx, eng, 0, 2)
     eng.save_checkpoint(ckpt, tag="t")
     tdist.barrier()
-    before, saved = _tree(os.path.join(ckpt, "t")), prints(eng)
+    before, saved = tree(os.path.join(ckpt, "t")), prints(eng)
     train(ctx, eng, 2, 1)
     # The disk fills on rank BAD while its sdpq file is written over the previous one (same tag).
     real_save = torch.save
@@ -199,7 +190,7 @@ def _save_fails_fn(ctx, ckpt: str):
         torch.save = real_save
     seconds = time.perf_counter() - t0
     tdist.barrier()
-    after = _tree(os.path.join(ckpt, "t"))
+    after = tree(os.path.join(ckpt, "t"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eng.load_checkpoint(ckpt, tag="t")
