@@ -392,7 +392,7 @@ GPU_SPEED_COMMAND = "./run gpu-check"
 def _not_yet_measured(key: str, what: str) -> Row:
     """A row for a figure that needs a GPU run no results file holds yet."""
     nothing = "not yet measured"
-    file = "none (benchmarks/results/gpu_speed.json)"
+    file = "none (benchmarks/results/gpu_check_h200.json)"
     command = f"`{GPU_SPEED_COMMAND}`"
     return Row(key, what, nothing, nothing, nothing, file, command, NOT_RECORDED, NOT_RECORDED, NOT_RECORDED)
 
@@ -484,7 +484,6 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     zero12_fp32 = load(results_dir, "deepspeed_zero12_fp32_accum.json", "benchmarks/deepspeed_zero12.py")
     zero12_ef = load(results_dir, "deepspeed_zero12_ef.json", "benchmarks/deepspeed_zero12.py")
     budget = load(results_dir, "kernel_budget.json", "benchmarks/kernel_budget.py")
-    speed = load(results_dir, "gpu_speed.json", GPU_SPEED_COMMAND)
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
         ([demo, demo_timing], _demo_rows),
         (zeropp, _zeropp_rows),
@@ -518,7 +517,7 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     for src, rows in optional:
         if src.exists:
             out += rows(src)
-    out += results_kernels.speed_rows(speed, _not_yet_measured)
+    out += results_kernels.speed_rows(gpu, _not_yet_measured)
     return [_label_count(r) for r in out + _unrecorded_rows()]
 
 

@@ -132,21 +132,23 @@ def run(args: argparse.Namespace) -> list[dict]:
 def _provenance(records: list[dict]) -> dict:
     """date (UTC), commit and machine for benchmarks/results_page.py. The GPU machine gets a
     copy of the tree without .git: the commit is then the one `sdpq check pack` recorded."""
+    # Note: the GPU machine's copy of the tree may carry a stale .git, so a manifest packed from
+    # exactly these sources (equal digests) names the commit before git does.
+    digest = pack.tree_digest(Path.cwd())
+    try:
+        manifest = json.loads((Path(pack.CARRY_DIR) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = {}
     commit = pack.git_commit(Path.cwd())
-    if commit is None:
-        try:
-            manifest = json.loads((Path(pack.CARRY_DIR) / "manifest.json").read_text())
-        except (OSError, ValueError):
-            manifest = {}
-        if manifest.get("commit"):
-            same = manifest.get("tree_sha256") == pack.tree_digest(Path.cwd())
-            commit = manifest["commit"] + (" (as packed)" if same else " (as packed; sdpq/ changed since)")
+    if manifest.get("commit") and manifest.get("tree_sha256") == digest:
+        commit = manifest["commit"] + " (as packed)"
+    elif commit is None and manifest.get("commit"):
+        commit = manifest["commit"] + " (as packed; sdpq/ changed since)"
     env = next((r for r in records if r["name"] == "env"), {})
     device = env.get("figures", {}).get("device")
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        # Note: a copied tree may carry a stale .git; the digest names the sources that ran.
-        "tree_sha256": pack.tree_digest(Path.cwd()),
+        "tree_sha256": digest,  # names the sources that ran, whatever the commit says
         "commit": commit,
         "machine": f"{device}, host {_cpu_model()}" if device else _cpu_model(),
     }
