@@ -1,21 +1,37 @@
-"""Hugging Face Llama under FSDP2 + sdpq, several seeds: is the default config's final loss within
-the baseline's seed spread, and does Hadamard smoothing help or hurt?
+r"""Hugging Face Llama under FSDP2 + sdpq, several seeds: is an sdpq arm's final loss within the
+bf16 baseline's seed spread, what does it send across nodes, and does Hadamard smoothing help?
 
-Model: `LlamaForCausalLM` from a config (3 layers, vocab 2048, untied embeddings, RMSNorm,
-SwiGLU), hidden 192 and 256 (neither row width is a multiple of the default 128-element Hadamard
-block's row alignment on every parameter: 192 = 3 x 64). FSDP2 per decoder layer and at the
-root, bf16 mixed precision (param_dtype bf16, reduce_dtype fp32), torch AdamW, 4 gloo ranks as
-2 nodes x 2, byte-level text (sdpq.train.data's stdlib corpus).
+Model: `LlamaForCausalLM` from a config (--layers, default 3; --vocab, default 2048; untied
+embeddings, RMSNorm, SwiGLU, heads hidden/64), hidden 192 and 256 by default (neither row width
+is a multiple of the default 128-element Hadamard block's row alignment on every parameter: 192 =
+3 x 64). FSDP2 per decoder layer and at the root, bf16 mixed precision (param_dtype bf16,
+reduce_dtype fp32), torch AdamW, 4 gloo ranks as 2 nodes x 2, byte-level text (sdpq.train.data's
+stdlib corpus: token ids 0-255 only, so embedding rows past 256 get no gradient).
 
-Arms per (hidden, seed), same initialisation and batches:
-  baseline   plain FSDP2
-  default    sdpq.fsdp.apply with the default block (4-bit weight differences, 8/4-bit
-             gradients with Hadamard)
+Arms per (hidden, seed), same initialisation and batches (--arms, a comma list with baseline;
+default baseline,default,no_hadamard):
+  baseline     plain FSDP2
+  default      sdpq.fsdp.apply with the default block (4-bit weight differences, 8/4-bit
+               gradients with Hadamard)
   no_hadamard  the same with gradients.hadamard false
+  w2-g4        the default block with 2-bit weight differences (gradients as default)
 
-Final loss = mean training loss of the last 10 steps (mean over ranks).
+Final loss = mean training loss of the last 10 steps (mean over ranks). Cross-node bytes: the
+least-traffic meter (sdpq/comm/link_bytes.py, sdpq/comm/traffic.py's byte model, independent of
+sdpq's own statistics) on during each training step only, one snapshot a step, every rank's
+counts added; an arm's bytes per step are the mean of its steps after the first (the first
+carries the exact weight refresh), its ratio the baseline's. The output also has the model's
+parameter count and each arm's mean step time (rank 0, steps after the first).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_llama_seeds.py             # ~20 min on 2 cores
+
+The scale study (13.37M parameters, 14.6x the long-run model's 918,656; 10.3M of them get
+gradients, the rest being unused embedding rows; 1.7 s a baseline step and 2.0 s an sdpq step
+on an idle 2-core machine; ~1 hour):
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_llama_seeds.py --hidden 384 --layers 4 \
+        --vocab 8192 --micro-batch 2 --seq-len 96 --steps 300 --seeds 0,1 \
+        --arms baseline,default,w2-g4 --out benchmarks/results/hf_llama_scale.json
 """
 
 from __future__ import annotations
@@ -39,30 +55,63 @@ from sdpq.launch.local import run_local  # noqa: E402
 
 WORLD, RPN = 4, 2
 NODES = {"topology": {"ranks_per_node": RPN}}  # 2 simulated nodes on this machine
-ARMS = {"baseline": None, "default": NODES, "no_hadamard": {**NODES, "gradients": {"hadamard": False}}}
+ARMS = {
+    "baseline": None,
+    "default": NODES,
+    "no_hadamard": {**NODES, "gradients": {"hadamard": False}},
+    "w2-g4": {**NODES, "weights": {"bits": 2}},  # 2-bit weight differences, gradients as default
+}
+DEFAULT_ARMS = "baseline,default,no_hadamard"
 
 
-def train_arm(hidden: int, seed: int, block, args) -> list[float]:
+def cross_node_bytes(counter) -> dict:
+    """The job's cross-node bytes per training step by the least-traffic meter (every rank's
+    `LinkBytes` added; the meter snapshots once a step): the first step (the first exact weight
+    refresh) and the steady steps after it."""
+    import torch.distributed as dist
+
+    from sdpq.comm.link_bytes import sum_over_ranks
+
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, counter.as_dict())
+    steps = sum_over_ranks(per_rank)["steps"]
+    inter = [sum(links.get("inter", 0) for links in st.values()) for st in steps]
+    steady = inter[1:]
+    paths = sorted({p for st in steps[1:] for p in st})
+    return {
+        "first_step": inter[0] if inter else None,
+        "steady_per_step": statistics.mean(steady) if steady else None,
+        "steady_min": min(steady, default=None),
+        "steady_max": max(steady, default=None),
+        "steady_by_path": {p: statistics.mean(st.get(p, {}).get("inter", 0) for st in steps[1:]) for p in paths},
+    }
+
+
+def train_arm(hidden: int, seed: int, block, args) -> dict:
+    """One arm on the initialised world: {"losses" (mean over ranks), "bytes" (cross_node_bytes),
+    "params", "step_seconds" (rank 0's mean wall time of the steps after the first)}."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import sdpq.fsdp
+    from sdpq.comm.link_bytes import LinkBytes
     from sdpq.train.data import TokenData
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=2048,
+        vocab_size=args.vocab,
         hidden_size=hidden,
         intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
-        num_hidden_layers=3,
+        num_hidden_layers=args.layers,
         num_attention_heads=hidden // 64,
         num_key_value_heads=hidden // 64,
         max_position_embeddings=args.seq_len,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
@@ -73,20 +122,35 @@ def train_arm(hidden: int, seed: int, block, args) -> list[float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     data, rank = TokenData.stdlib(), dist.get_rank()
     losses = torch.zeros(args.steps)
-    for step in range(args.steps):
-        x, y = data.batch(step, rank, args.micro_batch, args.seq_len, seed=seed)
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses[step] = loss.detach()
+    # The meter (sdpq/comm/link_bytes.py) counts inside the steps only, one snapshot a step;
+    # it wraps the ProcessGroup methods and changes no number.
+    counter = LinkBytes(RPN, enabled=False)
+    times = []
+    with counter:
+        for step in range(args.steps):
+            t = time.perf_counter()
+            counter.enabled = True
+            x, y = data.batch(step, rank, args.micro_batch, args.seq_len, seed=seed)
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            counter.enabled = False
+            counter.snapshot()
+            losses[step] = loss.detach()
+            times.append(time.perf_counter() - t)
     dist.all_reduce(losses)
     if block is not None:
         sdpq.fsdp.remove(model)
-    return (losses / dist.get_world_size()).tolist()
+    return {
+        "losses": (losses / dist.get_world_size()).tolist(),
+        "bytes": cross_node_bytes(counter),
+        "params": params,
+        "step_seconds": statistics.mean(times[1:]) if len(times) > 1 else times[0],
+    }
 
 
 def worker(job_file: str, out_file: str) -> None:
@@ -102,10 +166,12 @@ def worker(job_file: str, out_file: str) -> None:
     args = argparse.Namespace(**job["args"])
     out: dict = {}
     for arm in job["arms"]:
-        out[arm] = train_arm(job["hidden"], job["seed"], ARMS[arm], args)
+        out[arm] = r = train_arm(job["hidden"], job["seed"], ARMS[arm], args)
         if dist.get_rank() == 0:
+            b = r["bytes"]["steady_per_step"]
             print(
-                f"hidden {job['hidden']} seed {job['seed']} {arm}: final {statistics.mean(out[arm][-10:]):.4f}",
+                f"hidden {job['hidden']} seed {job['seed']} {arm}: final {statistics.mean(r['losses'][-10:]):.4f}, "
+                f"{r['step_seconds']:.2f} s/step, cross-node {'-' if b is None else f'{b / 1e6:.3f} MB'} a steady step",
                 flush=True,
             )
     if dist.get_rank() == 0:
@@ -113,26 +179,53 @@ def worker(job_file: str, out_file: str) -> None:
     dist.destroy_process_group()
 
 
-def summarize(runs: dict) -> dict:
+def summarize(runs: dict, bytes_: dict | None = None, params: dict | None = None) -> dict:
+    """Per hidden size: every arm's final loss per seed; the baseline's mean, sd and range; each
+    other arm's mean, paired ratio per seed, difference in baseline sd (None under 2 seeds) and
+    whether its mean lies within the baseline's seed range; Hadamard's verdict where both
+    `default` and `no_hadamard` ran. With `bytes_` ({hidden: {seed: {arm: cross_node_bytes}}}),
+    each arm's steady cross-node bytes per step (seed mean; deterministic) and its ratio to the
+    baseline's; with `params` ({hidden: n}), the parameter count."""
     out = {}
     for hidden, seeds in runs.items():
-        finals = {arm: [statistics.mean(seeds[s][arm][-10:]) for s in seeds] for arm in ARMS}
+        arms = list(next(iter(seeds.values())))
+        if "baseline" not in arms:
+            raise ValueError(f"hidden {hidden}: no baseline arm among {arms}")
+        finals = {arm: [statistics.mean(seeds[s][arm][-10:]) for s in seeds] for arm in arms}
         b = finals["baseline"]
-        row = {
-            "final": finals,
-            "baseline_mean": statistics.mean(b),
-            "baseline_sd": statistics.stdev(b),
-            "baseline_range": [min(b), max(b)],
-        }
-        for arm in ("default", "no_hadamard"):
+        sd = statistics.stdev(b) if len(b) > 1 else None
+        row: dict = {"params": params.get(hidden)} if params else {}
+        row.update(
+            {
+                "final": finals,
+                "baseline_mean": statistics.mean(b),
+                "baseline_sd": sd,
+                "baseline_range": [min(b), max(b)],
+            }
+        )
+        for arm in arms:
+            if arm == "baseline":
+                continue
             m = statistics.mean(finals[arm])
             row[arm] = {
                 "mean": m,
                 "ratio_to_baseline_per_seed": [a / c for a, c in zip(finals[arm], b)],
-                "diff_in_baseline_sd": (m - row["baseline_mean"]) / row["baseline_sd"],
+                "diff_in_baseline_sd": (m - row["baseline_mean"]) / sd if sd else None,
                 "within_seed_spread": min(b) <= m <= max(b),
             }
-        row["hadamard_no_worse"] = row["default"]["mean"] <= row["no_hadamard"]["mean"]
+        if "default" in arms and "no_hadamard" in arms:
+            row["hadamard_no_worse"] = row["default"]["mean"] <= row["no_hadamard"]["mean"]
+        if bytes_ and hidden in bytes_:
+            per_seed = bytes_[hidden]
+            steady = {}
+            for arm in arms:
+                vals = [per_seed[s][arm]["steady_per_step"] for s in per_seed]
+                steady[arm] = None if None in vals else statistics.mean(vals)
+            row["cross_node_bytes_per_step"] = steady
+            base = steady["baseline"]
+            row["bytes_ratio_to_baseline"] = {
+                arm: None if v is None or not base else v / base for arm, v in steady.items()
+            }
         out[hidden] = row
     return out
 
@@ -140,6 +233,9 @@ def summarize(runs: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", default="192,256")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma list, with baseline; of {', '.join(ARMS)}")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -149,25 +245,36 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hf_llama_seeds.json"))
     args = ap.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or "baseline" not in arms:
+        ap.error(f"--arms {args.arms!r}: needs baseline; allowed: {', '.join(ARMS)}")
     runs: dict = {}
+    bytes_: dict = {}
+    params: dict = {}
+    step_seconds: dict = {}
     t0 = time.time()
     for hidden in [int(h) for h in args.hidden.split(",")]:
-        runs[str(hidden)] = {}
+        runs[str(hidden)], bytes_[str(hidden)], step_seconds[str(hidden)] = {}, {}, {}
         for seed in [int(s) for s in args.seeds.split(",")]:
             with tempfile.TemporaryDirectory(prefix="sdpq-hfl-") as tmp:
                 job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "log"
-                job.write_text(json.dumps({"hidden": hidden, "seed": seed, "arms": list(ARMS), "args": vars(args)}))
+                job.write_text(json.dumps({"hidden": hidden, "seed": seed, "arms": arms, "args": vars(args)}))
                 code = run_local(
                     [str(Path(__file__).resolve()), "--worker", str(job), str(out)],
                     WORLD,
                     log=log,
                     timeout=args.timeout,
-                    on_line=lambda s: print(s, flush=True),
+                    on_line=lambda s: print(s, end="", flush=True),
                 )
                 if code != 0 or not out.exists():
                     raise RuntimeError(f"hidden {hidden} seed {seed} failed ({code}):\n{log.read_text()[-3000:]}")
-                runs[str(hidden)][str(seed)] = json.loads(out.read_text())
-    summary = summarize(runs)
+                res = json.loads(out.read_text())
+                runs[str(hidden)][str(seed)] = {arm: r["losses"] for arm, r in res.items()}
+                bytes_[str(hidden)][str(seed)] = {arm: r["bytes"] for arm, r in res.items()}
+                step_seconds[str(hidden)][str(seed)] = {arm: r["step_seconds"] for arm, r in res.items()}
+                params[str(hidden)] = res["baseline"]["params"]
+    summary = summarize(runs, bytes_, params)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
@@ -175,8 +282,11 @@ def main(argv=None) -> int:
             {
                 "args": vars(args),
                 "meta": {"wall_seconds": time.time() - t0, **provenance()},
+                "params": params,
                 "summary": summary,
                 "runs": runs,
+                "bytes": bytes_,
+                "step_seconds": step_seconds,
             },
             indent=1,
         )
