@@ -62,7 +62,7 @@ def _use_kernels_for(arm_device: str, rehearse: bool) -> None:
     fused._triton_mode.cache_clear()
 
 
-def _fsdp_run(device: torch.device, use_sdpq: bool, steps: int, d_model: int, quantize: bool = True) -> list[float]:
+def _fsdp_run(device: torch.device, steps: int, d_model: int, quantize: bool = True) -> list[float]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -76,15 +76,11 @@ def _fsdp_run(device: torch.device, use_sdpq: bool, steps: int, d_model: int, qu
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt: torch.optim.Optimizer
-    if use_sdpq:
-        opt = sdpq.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        cfg: dict = {"topology": {"ranks_per_node": PER_NODE}}
-        if not quantize:  # sdpq's collectives and AdamW, nothing quantized on the wire (AdamW's FP8 states stay)
-            cfg.update(weights={"mode": "exact"}, gradients={"mode": "exact"})
-        sdpq.fsdp.apply(model, cfg, optimizer=opt)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = sdpq.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    cfg: dict = {"topology": {"ranks_per_node": PER_NODE}}
+    if not quantize:  # sdpq's collectives and AdamW, nothing quantized on the wire (AdamW's FP8 states stay)
+        cfg.update(weights={"mode": "exact"}, gradients={"mode": "exact"})
+    sdpq.fsdp.apply(model, cfg, optimizer=opt)
     losses, rank = [], dist.get_rank()
     for step in range(steps):
         x, y = _batch(step, rank, 64, 4, device)
@@ -95,8 +91,7 @@ def _fsdp_run(device: torch.device, use_sdpq: bool, steps: int, d_model: int, qu
         avg = loss.detach().float().reshape(1).cpu()  # gloo: the CPU copy (one sync per step is the test's)
         dist.all_reduce(avg)
         losses.append(float(avg) / WORLD)
-    if use_sdpq:
-        sdpq.fsdp.remove(model)
+    sdpq.fsdp.remove(model)
     return losses
 
 
@@ -106,14 +101,12 @@ def _fsdp_worker(rank: int, port: int, rehearse: bool, steps: int, d_model: int,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     res = {}
-    arms = [("sdpq_device", device, True), ("sdpq_cpu", torch.device("cpu"), True), ("exact_device", device, True)]
-    if rehearse:
-        # Plain FSDP2 calls gloo's own all-gather / reduce-scatter, which refuse CUDA tensors
-        # (sdpq's collectives carry them through the host): on the GPU it cannot run this way.
-        arms.insert(1, ("plain_device", device, False))
-    for arm, dev, use in arms:
+    # Note: no plain FSDP2 arm: gloo's own all-gather / reduce-scatter refuse CUDA tensors (sdpq's
+    # collectives carry them through the host); the exact arm is the unquantized context.
+    arms = [("sdpq_device", device), ("sdpq_cpu", torch.device("cpu")), ("exact_device", device)]
+    for arm, dev in arms:
         _use_kernels_for("device" if arm.endswith("device") else "cpu", rehearse)
-        res[arm] = _fsdp_run(dev, use, steps, d_model, quantize=not arm.startswith("exact"))
+        res[arm] = _fsdp_run(dev, steps, d_model, quantize=not arm.startswith("exact"))
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     import torch.distributed as dist
@@ -166,9 +159,8 @@ def _compare(res: dict, c: Checks, what: str) -> dict:
         "tail_mean_ratio_vs_cpu": tail,
         "losses": res,
     }
-    for base in ("exact_device", "plain_device"):  # context: the same device, exact collectives
-        if base in res:
-            figures[f"tail_mean_ratio_vs_{base}"] = _tail(dev) / _tail(res[base])
+    # context: the same device, exact collectives
+    figures["tail_mean_ratio_vs_exact_device"] = _tail(dev) / _tail(res["exact_device"])
     return figures
 
 

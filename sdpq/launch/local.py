@@ -35,10 +35,12 @@ def local_command(
     forwards OMP_NUM_THREADS and PYTHONPATH from `env`, default os.environ, where they are set)."""
     py = sys.executable
     bindir = Path(py).parent
-    port = str(free_port())
     if launcher == "torchrun":
-        return [py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", port, *argv]  # fmt: skip
+        # Note: --standalone lets the rendezvous store bind port 0 itself. A port picked here and
+        # bound later by torchrun can be taken in between (parallel test workers, gloo's own
+        # connections): the likely cause of a CI launch that ended with exit code 1.
+        return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]  # fmt: skip
+    port = str(free_port())
     if launcher == "deepspeed":
         return [str(bindir / "deepspeed"), "--num_nodes", "1", "--num_gpus", str(nproc),
                 "--master_addr", "127.0.0.1", "--master_port", port, *argv]  # fmt: skip

@@ -68,15 +68,23 @@ def _resume(ctx, stage: int | str, block: dict, out_dir: str):
     return {"losses": losses, "prints": _prints(engine)}
 
 
-def _both(dist, stage, block, seed=0):
-    plain = dist.run(_train, 4, 2, stage, None, seed, timeout=TIMEOUT)
-    ours = dist.run(_train, 4, 2, stage, block, seed, timeout=TIMEOUT)
-    return plain, ours
+_PLAIN: dict = {}
+
+
+def _plain(dist, stage):
+    """The run without the block (seed 0), once per stage for the two tests that compare with it.
+    Note: in fresh processes: an engine of an earlier run in the same worker stays alive
+    (DeepSpeed keeps references to it) and would be counted in its live bytes."""
+    if stage not in _PLAIN:
+        dist.discard(4)
+        _PLAIN[stage] = dist.run(_train, 4, 2, stage, None, 0, timeout=TIMEOUT)
+    return _PLAIN[stage]
 
 
 @pytest.mark.parametrize("stage", list(KINDS))
 def test_exact_modes_train_bitwise_as_plain_zero(dist, stage):
-    plain, ours = _both(dist, stage, EXACT)
+    plain = _plain(dist, stage)
+    ours = dist.run(_train, 4, 2, stage, EXACT, 0, timeout=TIMEOUT)
     assert ours[0]["sdpq"] and not plain[0]["sdpq"]
     assert ours[0]["optimizer"] == plain[0]["optimizer"]
     assert plain[0]["losses"] == ours[0]["losses"]
@@ -89,10 +97,7 @@ def test_the_block_sends_a_fifth_of_the_bytes_and_keeps_replicas_equal(dist, sta
     so that what the run with the block keeps alive beyond the run without it is what the weight
     and gradient paths hold: nothing (64 KiB of slack for the cached Hadamard signs)."""
     block = {"weights": {"mode": "diff"}} if stage == "zero1" else {"optimizer": {"enabled": False}}
-    # Note: fresh processes per arm: an engine of an earlier run in the same worker stays alive
-    # (DeepSpeed keeps references to it) and would be counted.
-    dist.discard(4)
-    plain = dist.run(_train, 4, 2, stage, None, 0, timeout=TIMEOUT)
+    plain = _plain(dist, stage)  # fresh processes per arm (see _plain)
     dist.discard(4)
     ours = dist.run(_train, 4, 2, stage, block, 0, timeout=TIMEOUT)
     dist.discard(4)

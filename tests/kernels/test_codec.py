@@ -111,15 +111,18 @@ def test_stochastic_within_one_step_and_unbiased(bits):
     spec = QuantSpec(bits, 64, rounding="stochastic")
     x = torch.randn(1, 256, device=DEV)
     scale = x.view(4, 64).abs().amax(1, keepdim=True) / spec.qmax
-    draws, N = [], 150
-    for seed in range(N):
-        wire, _, _ = codec.encode_rows(x, spec, seed=seed)
-        draws.append(codec.decode_rows(wire, spec, 256, torch.empty(1, 256, device=DEV)))
-    d = torch.stack(draws).view(N, 4, 64)
+    # N draws in one launch: N copies of the row, each row with its own stream (the rows' Philox
+    # offsets differ). N = 48 keeps the interpreter's time small; the 5-sigma bound (0.36 of a
+    # step) still catches nearest or floor rounding, whose bias reaches 0.5 and 1 step.
+    N = 48
+    wire, _, _ = codec.encode_rows(x.expand(N, 256).contiguous(), spec, seed=3)
+    d = codec.decode_rows(wire, spec, 256, torch.empty(N, 256, device=DEV)).view(N, 4, 64)
     assert ((d - x.view(4, 64)).abs() < scale).all()  # floor(y + u): strictly within one step
     # Mean of N draws: each has variance <= s^2 / 4, so 5 sigma = 5 * s / (2 sqrt(N)).
     assert ((d.mean(0) - x.view(4, 64)).abs() <= 5 * scale / (2 * math.sqrt(N))).all()
-    assert len({tuple(t.flatten().tolist()) for t in draws[:5]}) == 5  # seeds give different draws
+    assert len({tuple(t.flatten().tolist()) for t in d[:5]}) == 5  # rows draw apart
+    seeds = [codec.encode_rows(x, spec, seed=seed)[0] for seed in range(3)]
+    assert len({tuple(w.flatten().tolist()) for w in seeds}) == 3  # so do seeds
 
 
 @pytest.mark.parametrize("bits", [2, 8])

@@ -21,6 +21,7 @@ def test_command_lines():
     torchrun = local_command(["job.py", "--x"], 4)
     assert torchrun[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert torchrun[torchrun.index("--nproc_per_node") + 1] == "4" and torchrun[-2:] == ["job.py", "--x"]
+    assert "--standalone" in torchrun and "--master_port" not in torchrun  # the store binds its own port
     mpi = local_command(["job.py"], 2, "mpirun", env={"OMP_NUM_THREADS": "1"})
     assert mpi[mpi.index("-np") + 1] == "2" and mpi[-2:] == [sys.executable, "job.py"]
     assert "PYTHONPATH" not in mpi and "OMP_NUM_THREADS" in mpi  # only what is set is forwarded
@@ -34,7 +35,7 @@ def test_run_local_starts_every_rank(tmp_path, monkeypatch):
     script.write_text(RANK_SCRIPT)
     lines: list[str] = []
     code = run_local([str(script)], 2, log=tmp_path / "log", timeout=120, on_line=lines.append)
-    assert code == 0
+    assert code == 0, (tmp_path / "log").read_text()[-4000:]
     assert sorted(x.strip() for x in lines if x.startswith("rank")) == [
         "rank 0 of 2 threads 1",
         "rank 1 of 2 threads 1",
