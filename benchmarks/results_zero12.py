@@ -1,9 +1,12 @@
 """Headline rows about DeepSpeed ZeRO-1 and ZeRO-2 (for benchmarks/results_page.py), from
 benchmarks/deepspeed_zero12.py: the config with the "sdpq" block against the same config without
-it over three seeds, and the other settings (below four bits, error feedback) on one seed. Standard
-library only."""
+it over three seeds, and the other settings (below four bits, error feedback) on one seed. The byte
+figures come from benchmarks/recount_bytes.py's least-traffic recount where it has the arm, else
+from the study's own count. Standard library only."""
 
 from __future__ import annotations
+
+import results_recount
 
 
 def _where(src) -> str:
@@ -19,17 +22,43 @@ def _label(stage: str) -> str:
     return f"ZeRO-{stage}"
 
 
-def zero12_rows(src) -> list:
+def _bytes_row(src, recount, key: str, stage: str, arm: str, counted_as, recounted_as):
+    """Cross-node bytes of `arm` against plain at `stage`: recounted on steady steps where the
+    recount has the arm (the row says `recounted_as(protocol)`), else the study's own mean over its
+    steps (`counted_as`)."""
+    counted = results_recount.steady(recount, src.name, stage)
+    if arm in counted and "plain" in counted:
+        protocol = (
+            "deepspeed_zero12.py's Llama-shaped model and protocol, bf16, accumulation 2, sequences of "
+            f"{src.data['args']['seq_len']}; {results_recount.how(recount, src.name)}"
+        )
+        return recount.row(
+            key,
+            recounted_as(protocol),
+            f"{counted[arm] / 1e6:.2f} MB",
+            f"{counted['plain'] / 1e6:.2f} MB",
+            f"{counted[arm] / counted['plain']:.3f}",
+        )
+    base, q = src.data["summary"][stage]["plain"], src.data["summary"][stage][arm]
+    mb, base_mb = q["bytes_per_step"] / 1e6, base["bytes_per_step"] / 1e6
+    return src.row(key, counted_as, f"{mb:.2f} MB", f"{base_mb:.2f} MB", f"{q['bytes_ratio']:.3f}")
+
+
+def zero12_rows(src, recount=None) -> list:
     where, rows = _where(src), []
     for stage, arms in src.data["summary"].items():
         base, q, label = arms["plain"], arms["sdpq"], _label(stage)
         rows += [
-            src.row(
+            _bytes_row(
+                src,
+                recount,
                 f"bytes-zero{stage}",
+                stage,
+                "sdpq",
                 f"cross-node bytes per step vs {label} without the block, process-group meter ({where})",
-                f"{q['bytes_per_step'] / 1e6:.2f} MB",
-                f"{base['bytes_per_step'] / 1e6:.2f} MB",
-                f"{q['bytes_ratio']:.3f}",
+                lambda protocol, label=label: (
+                    f"cross-node bytes per steady step vs {label} without the block, process-group meter ({protocol})"
+                ),
             ),
             src.row(
                 f"loss-zero{stage}",
@@ -50,7 +79,7 @@ VARIANTS = {
 }
 
 
-def variant_rows(src) -> list:
+def variant_rows(src, recount=None) -> list:
     """The other arms (below four bits, error feedback): bytes, with the final loss in the text."""
     where, rows = _where(src), []
     for stage, arms in src.data["summary"].items():
@@ -59,14 +88,20 @@ def variant_rows(src) -> list:
             if arm not in arms:
                 continue
             q = arms[arm]
+            head = f"{_label(stage)}, {what}"
+            loss = f"final loss {q['final_loss_mean']:.4f} vs {base['final_loss_mean']:.4f}"
             rows.append(
-                src.row(
+                _bytes_row(
+                    src,
+                    recount,
                     f"bytes-zero{stage}-{suffix}",
-                    f"{_label(stage)}, {what}: cross-node bytes per step (final loss "
-                    f"{q['final_loss_mean']:.4f} vs {base['final_loss_mean']:.4f}; {where})",
-                    f"{q['bytes_per_step'] / 1e6:.2f} MB",
-                    f"{base['bytes_per_step'] / 1e6:.2f} MB",
-                    f"{q['bytes_ratio']:.3f}",
+                    stage,
+                    arm,
+                    f"{head}: cross-node bytes per step ({loss}; {where})",
+                    lambda protocol, head=head, loss=loss: (
+                        f"{head}: cross-node bytes per steady step, process-group meter ({loss} in "
+                        f"`{src.name}`: {where}; bytes: {protocol})"
+                    ),
                 )
             )
     return rows

@@ -239,4 +239,42 @@ def test_long_run_byte_rows_come_from_the_steady_recount():
         assert rows[key].ratio == f"{steady[fw][arm] / steady[fw]['baseline']:.3f}"
         assert "counted per member" not in rows[key].what
     assert set(steady["fsdp2"]) == {"baseline", "sdpq", "w2-g4", "ref-auto"}
-    assert "counted per member" in rows["bytes-zero1"].what  # a study long_bytes.py does not count
+    assert rows["bytes-zero1"].file != "`long_bytes.json`"  # a study long_bytes.py does not count
+
+
+def test_study_byte_rows_come_from_the_recount(tmp_path):
+    """benchmarks/recount_bytes.py's least-traffic recount replaces the DDP, ZeRO-1/2 and ZeRO++
+    studies' own byte counts (counted per member) for every arm it has; without its file the rows
+    are the studies' own, labelled as counted per member."""
+    studies = json.loads((results_page.RESULTS_DIR / "recount_bytes.json").read_text())["studies"]
+    rows = {r.key: r for r in results_page.rows()}
+    zeropp = "zeropp_peer_lr1e-3_seed0.json"
+    for key, name, group, arm, base in (
+        ("bytes-ddp", "ddp_seeds.json", "ddp", "sdpq", "ddp"),
+        ("bytes-ddp-fp16", "ddp_seeds.json", "ddp", "fp16", "ddp"),
+        ("bytes-ddp-powersgd", "ddp_seeds.json", "ddp", "powersgd", "ddp"),
+        ("bytes-zero1", "deepspeed_zero12.json", "1", "sdpq", "plain"),
+        ("bytes-zero2", "deepspeed_zero12.json", "2", "sdpq", "plain"),
+        ("bytes-zero1-fp32", "deepspeed_zero12_fp32_accum.json", "1-fp32", "sdpq", "plain"),
+        ("bytes-zero1-2bit", "deepspeed_zero12_low_bits.json", "1", "sdpq2", "plain"),
+        ("bytes-zero2-3bit", "deepspeed_zero12_low_bits.json", "2", "sdpq3", "plain"),
+        ("bytes-zero2-ef", "deepspeed_zero12_ef.json", "2", "sdpq-ef", "plain"),
+        ("bytes-zeropp", zeropp, "zero3", "sdpq", "zeropp"),
+        ("bytes-zero3-meter", zeropp, "zero3", "sdpq", "zero3"),
+    ):
+        steady = studies[name]["steady"][group]
+        assert rows[key].file == "`recount_bytes.json`", key
+        assert rows[key].ratio == f"{steady[arm] / steady[base]:.3f}", key
+        assert rows[key].sdpq == f"{steady[arm] / 1e6:.2f} MB", key
+        assert "counted per member" not in rows[key].what, key
+    assert studies[zeropp]["also_for"] == ["zeropp_peer_lr1e-3_seed1.json", "zeropp_peer_lr1e-3_seed2.json"]
+    assert not [k for k, r in rows.items() if "counted per member" in r.what]  # every byte row: least traffic
+    assert rows["loss-ddp"].file == "`ddp_seeds.json`" and rows["loss-zero3-seeds"].file.startswith("`zeropp_peer")
+    results = tmp_path / "results"
+    shutil.copytree(results_page.RESULTS_DIR, results, ignore=shutil.ignore_patterns("recount_bytes.json"))
+    rows = {r.key: r for r in results_page.rows(results)}
+    for key, file in (("bytes-ddp", "`ddp_seeds.json`"), ("bytes-zero2-ef", "`deepspeed_zero12_ef.json`")):
+        assert rows[key].file == file and "counted per member" in rows[key].what, key
+    assert rows["bytes-zeropp"].file.startswith("`zeropp_peer_lr1e-3_seed0.json") and "counted per member" in (
+        rows["bytes-zeropp"].what
+    )
