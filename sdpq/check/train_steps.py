@@ -165,7 +165,7 @@ def _compare(res: dict, c: Checks, what: str) -> dict:
 
 
 def train_fsdp(ctx: Ctx) -> dict:
-    steps, d = (4, 32) if ctx.rehearse else (30, 256)
+    steps, d = (3, 32) if ctx.rehearse else (30, 256)
     res = _spawn(_fsdp_worker, ctx, steps, d)
     c = Checks()
     figures = _compare(res, c, "FSDP2")
