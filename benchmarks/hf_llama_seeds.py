@@ -25,12 +25,16 @@ parameter count and each arm's mean step time (rank 0, steps after the first).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_llama_seeds.py             # ~20 min on 2 cores
 
-The scale study (13.37M parameters, 14.6x the long-run model's 918,656; 10.3M of them get
-gradients, the rest being unused embedding rows; 1.7 s a baseline step and 2.0 s an sdpq step
-on an idle 2-core machine; ~1 hour):
+The scale study (a model at least 10x the long-run model's 918,656 parameters, 2 seeds x 300
+steps, against bf16): hidden 384, 8 layers, vocab 256 (14.4M parameters, all of them trained: the
+byte-level data has ids 0-255 only, so a larger vocabulary adds embedding rows that never train,
+and FSDP2 gathers the root's embedding once a step rather than twice, which raises every byte
+ratio: at vocab 8192 the default block measured 0.147 instead of ~0.13). Not run yet; from 1.7 s
+a step measured at hidden 384 / 4 layers / vocab 8192 / 2 x 96 tokens, about an hour on an idle
+2-core machine:
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_llama_seeds.py --hidden 384 --layers 4 \
-        --vocab 8192 --micro-batch 2 --seq-len 96 --steps 300 --seeds 0,1 \
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_llama_seeds.py --hidden 384 --layers 8 \
+        --vocab 256 --micro-batch 2 --seq-len 64 --steps 300 --seeds 0,1 \
         --arms baseline,default,w2-g4 --out benchmarks/results/hf_llama_scale.json
 """
 
