@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -210,37 +211,6 @@ def _demo_rows(src: Source, timing: Source) -> list[Row]:
     return rows
 
 
-def _zeropp_bytes_row(first: Source, srcs: list[Source], recount: Source, key: str, what: str, base: str) -> Row:
-    """sdpq's cross-node bytes against arm `base` of the ZeRO++ comparison: counted again by the
-    least traffic on steady steps (benchmarks/recount_bytes.py) where the recount covers every seed
-    file, else the study's mean over seeds."""
-    rec = results_recount.study(recount, srcs[0].name)
-    counted = rec.get("steady", {}).get("zero3", {})
-    covered = {srcs[0].name, *rec.get("also_for", [])} >= {s.name for s in srcs}
-    if covered and "sdpq" in counted and base in counted:
-        return recount.row(
-            key,
-            f"cross-node bytes per steady step vs {what} (zeropp_peer.py's GPT and protocol, 4 ranks as 2 nodes "
-            f"x 2, process-group meter; {results_recount.how(recount, srcs[0].name)})",
-            _mb(counted["sdpq"]),
-            _mb(counted[base]),
-            f"{counted['sdpq'] / counted[base]:.3f}",
-        )
-    arms = [s.data["summary"]["arms"] for s in srcs]
-    seeds = ", ".join(str(s.data["job"]["spec"]["seed"]) for s in srcs)
-
-    def mean(arm: str) -> float:
-        return statistics.fmean(a[arm]["cross_node_bytes_per_step"] for a in arms)
-
-    return first.row(
-        key,
-        f"cross-node bytes per step vs {what} (GPT, 4 ranks as 2 nodes x 2, seeds {seeds}, process-group meter)",
-        _mb(mean("sdpq")),
-        _mb(mean(base)),
-        f"{mean('sdpq') / mean(base):.3f}",
-    )
-
-
 def _zeropp_rows(srcs: list[Source], recount: Source) -> list[Row]:
     arms = [s.data["summary"]["arms"] for s in srcs]
     seeds = ", ".join(str(s.data["job"]["spec"]["seed"]) for s in srcs)
@@ -255,10 +225,35 @@ def _zeropp_rows(srcs: list[Source], recount: Source) -> list[Row]:
     diff = statistics.fmean(a["sdpq"]["final_loss_rel_diff_vs_zero3"] for a in arms)
     zpp_diff = statistics.fmean(a["zeropp"]["final_loss_rel_diff_vs_zero3"] for a in arms)
     where = f"GPT, 4 ranks as 2 nodes x 2, seeds {seeds}"
-    zeropp = "DeepSpeed's ZeRO++ (qwZ + hpZ + qgZ)"
+    rec = results_recount.study(recount, srcs[0].name)
+    counted = rec.get("steady", {}).get("zero3", {})
+    covered = {srcs[0].name, *rec.get("also_for", [])} >= {s.name for s in srcs}
+
+    def bytes_row(key: str, what: str, base: str) -> Row:
+        """sdpq's cross-node bytes against arm `base`: counted again by the least traffic on steady
+        steps (benchmarks/recount_bytes.py) where the recount covers every seed file, else the
+        study's mean over seeds."""
+        if covered and "sdpq" in counted and base in counted:
+            return recount.row(
+                key,
+                f"cross-node bytes per steady step vs {what} (zeropp_peer.py's GPT and protocol, 4 ranks as 2 "
+                f"nodes x 2, process-group meter; {results_recount.how(recount, srcs[0].name)})",
+                _mb(counted["sdpq"]),
+                _mb(counted[base]),
+                f"{counted['sdpq'] / counted[base]:.3f}",
+            )
+        ours, theirs = mean("sdpq", "cross_node_bytes_per_step"), mean(base, "cross_node_bytes_per_step")
+        return first.row(
+            key,
+            f"cross-node bytes per step vs {what} ({where}, process-group meter)",
+            _mb(ours),
+            _mb(theirs),
+            f"{ours / theirs:.3f}",
+        )
+
     rows = [
-        _zeropp_bytes_row(first, srcs, recount, "bytes-zeropp", zeropp, "zeropp"),
-        _zeropp_bytes_row(first, srcs, recount, "bytes-zero3-meter", "bf16 ZeRO-3", "zero3"),
+        bytes_row("bytes-zeropp", "DeepSpeed's ZeRO++ (qwZ + hpZ + qgZ)", "zeropp"),
+        bytes_row("bytes-zero3-meter", "bf16 ZeRO-3", "zero3"),
         first.row(
             "loss-zero3-seeds",
             f"training loss vs bf16 ZeRO-3 and ZeRO++, last 10 steps, mean over seeds ({where})",
@@ -532,17 +527,16 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     optional = (  # (results file, its rows), each left out until its study has run
         (plan_check, results_memory.measured_rows),
         (memory_table, results_memory.planned_rows),
-        (ddp, results_ddp.ddp_rows),
-        (zero12, results_zero12.zero12_rows),
-        (zero12_fp32, results_zero12.zero12_rows),
-        (zero12_low, results_zero12.variant_rows),
-        (zero12_ef, results_zero12.variant_rows),
+        (ddp, functools.partial(results_ddp.ddp_rows, recount=recount)),
+        (zero12, functools.partial(results_zero12.zero12_rows, recount=recount)),
+        (zero12_fp32, functools.partial(results_zero12.zero12_rows, recount=recount)),
+        (zero12_low, functools.partial(results_zero12.variant_rows, recount=recount)),
+        (zero12_ef, functools.partial(results_zero12.variant_rows, recount=recount)),
         (budget, results_kernels.budget_rows),
     )
-    recounted = {results_ddp.ddp_rows, results_zero12.zero12_rows, results_zero12.variant_rows}
     for src, rows in optional:
         if src.exists:
-            out += rows(src, recount) if rows in recounted else rows(src)
+            out += rows(src)
     out += results_kernels.speed_rows(gpu, _not_yet_measured)
     return [_label_count(r) for r in out + _unrecorded_rows()]
 
