@@ -32,6 +32,7 @@ import frontier  # noqa: E402
 import reference_long  # noqa: E402
 
 from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.steady_bytes import short_protocol, steady_and_start  # noqa: E402
 
 TAG = "[long_bytes]"
 
@@ -57,12 +58,10 @@ def main(argv=None) -> int:
     for fw in args.frameworks.split(","):
         totals = {}
         for n in (args.steps, 2 * args.steps):
-            # The study's model, data and optimizer; a schedule that fits the short run (the
-            # learning rate changes no byte count).
-            proto = argparse.Namespace(**{**study, "steps": n, "warmup": 1, "eval_batches": 0, "timeout": args.timeout})
-            res = cl.run_job(proto, fw, 0, arms)
+            # The study's model, data and optimizer; a schedule that fits the short run.
+            res = cl.run_job(short_protocol(study, n, args.timeout), fw, 0, arms)
             totals[n] = {arm: r["meter_cross_node_bytes_per_step"] * n for arm, r in res.items()}
-        steady[fw] = {arm: (totals[2 * args.steps][arm] - totals[args.steps][arm]) / args.steps for arm in arms}
+        steady[fw] = steady_and_start(totals[args.steps], totals[2 * args.steps], args.steps)[0]
         for arm, b in steady[fw].items():
             print(f"{TAG} {fw} {arm:9}: {b / 1e6:.4f} MB a steady step, {b / steady[fw]['baseline']:.3f} of bf16")
     ratios = {fw: {arm: b / per["baseline"] for arm, b in per.items()} for fw, per in steady.items()}

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import ddp_seeds, deepspeed_zero12, zeropp_peer  # noqa: E402
 from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.steady_bytes import short_protocol, steady_and_start  # noqa: E402
 from sdpq.comm.link_bytes import LINKS  # noqa: E402
 
 TAG = "[recount_bytes]"
@@ -58,23 +59,10 @@ ZEROPP_PATHS = ("weights", "gradients")  # the study's headline paths (zeropp_pe
 SEED = 0
 
 
-def _protocol(study: dict, n: int, timeout: float) -> argparse.Namespace:
-    """The study's recorded arguments with `n` steps, a one-step warm-up (the learning rate moves
-    no byte) and no evaluation."""
-    return argparse.Namespace(**{**study, "steps": n, "warmup": 1, "eval_batches": 0, "timeout": timeout})
-
-
 def _study_bytes_per_seed(data: dict, group_of) -> bool:
     """Whether the study's own byte counts were the same on every seed it ran."""
     seen = [json.dumps(group_of(r), sort_keys=True) for r in data["runs"].values()]
     return len(set(seen)) == 1
-
-
-def _steady(totals: dict, n: int) -> tuple[dict, dict]:
-    """{group: {arm: bytes}} totals of the n- and 2n-step runs -> (steady bytes a step, start extra)."""
-    steady = {g: {a: (totals[2 * n][g][a] - totals[n][g][a]) / n for a in arms} for g, arms in totals[n].items()}
-    extra = {g: {a: totals[n][g][a] - n * steady[g][a] for a in arms} for g, arms in totals[n].items()}
-    return steady, extra
 
 
 def _meter_total(r: dict, n: int) -> int:
@@ -86,9 +74,9 @@ def count_ddp(data: dict, n: int, timeout: float) -> dict:
     arms = [a for a in study["arms"].split(",") if a]
     totals = {}
     for steps in (n, 2 * n):
-        res = ddp_seeds.run_seed(_protocol(study, steps, timeout), SEED, arms)
+        res = ddp_seeds.run_seed(short_protocol(study, steps, timeout), SEED, arms)
         totals[steps] = {"ddp": {a: _meter_total(res[a], steps) for a in arms}}
-    steady, extra = _steady(totals, n)
+    steady, extra = steady_and_start(totals[n], totals[2 * n], n)
     same = _study_bytes_per_seed(data, lambda r: {a: x["meter_cross_node_bytes_per_step"] for a, x in r.items()})
     return {"baseline": "ddp", "step": "a training step", "steady": steady, "start_extra": extra, "same_bytes": same}
 
@@ -99,9 +87,9 @@ def count_zero12(data: dict, n: int, timeout: float) -> dict:
     stages = [s for s in study["stages"].split(",") if s]
     totals = {}
     for steps in (n, 2 * n):
-        res = deepspeed_zero12.run_seed(_protocol(study, steps, timeout), SEED, stages, arms)
+        res = deepspeed_zero12.run_seed(short_protocol(study, steps, timeout), SEED, stages, arms)
         totals[steps] = {st: {a: _meter_total(res[st][a], steps) for a in arms} for st in stages}
-    steady, extra = _steady(totals, n)
+    steady, extra = steady_and_start(totals[n], totals[2 * n], n)
 
     def per_seed(r):
         return {st: {a: x["meter_cross_node_bytes_per_step"] for a, x in v.items()} for st, v in r.items()}
@@ -139,7 +127,7 @@ def count_zeropp(datas: list[dict], n: int, timeout: float) -> dict:
             for a, x in link.items()
         }
         medians = {a: zeropp_peer.summarize_arm(r, steps)["steady_cross_node_bytes_per_step"] for a, r in res.items()}
-    steady, extra = _steady(totals, n)
+    steady, extra = steady_and_start(totals[n], totals[2 * n], n)
     by_path = {
         a: {p: {lk: (paths[2 * n][a][p][lk] - paths[n][a][p][lk]) / n for lk in LINKS} for p in per}
         for a, per in paths[n].items()

@@ -6,8 +6,9 @@ sdpq's comm hook per `spec.sdpq` (None = plain DDP, or with `comm_hook` one of t
 "allreduce" (DDP's own averaging through a Python-level all-reduce), "fp16" (fp16_compress_hook),
 "powersgd" (rank 4)), and trains with the spec's schedule: bf16 autocast on fp32 parameters
 with `mixed_precision="bf16"`, `no_sync()` on all but the last micro-step, gradient clipping,
-torch's AdamW or sdpq's (the sdpq block's optimizer section). Checkpoints: torch.save per rank of
-model, optimizer and sdpq state; a resumed run continues the uninterrupted one's trajectory.
+torch's AdamW or sdpq's (the sdpq block's optimizer section). Checkpoints: one file per rank of
+model and optimizer, saved all or none across ranks, and sdpq's state by `sdpq.ddp`'s own
+checkpoint; a resumed run continues the uninterrupted one's trajectory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm import stats as comm_stats
 from ..comm import timing
 from ..integrations import ddp as sdpq_ddp
+from ..integrations._files import every_rank_problem, save_agreed
 from ..launch.env import compute_device
 from .data import TokenData
 from .fsdp_backend import build_optimizer, sdpq_config
@@ -116,24 +118,27 @@ def _checkpoint_path(spec: RunSpec, rank: int) -> Path:
 
 
 def save_checkpoint(spec: RunSpec, model, opt, step: int, rank: int) -> None:
-    """Every rank's own file: the replicas are equal, but sdpq's state (residuals, rounding
-    streams) and the optimizer's compressed states are per rank."""
+    """Every rank's own file of model and optimizer (the replicas are equal, but sdpq AdamW's
+    compressed states are per rank), then sdpq's state through `sdpq.ddp.save_checkpoint`. Both
+    are saved all or none (`_files.save_agreed`): a rank that cannot write leaves every rank's
+    previous files as they were and raises the same CheckpointSaveError on every rank."""
     state: dict[str, Any] = {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}
-    if sdpq_ddp.is_applied(model):
-        state["sdpq"] = sdpq_ddp.state_dict(model)
     path = _checkpoint_path(spec, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
+    save_agreed(state, str(path), every_rank_problem, "ddp_backend.save_checkpoint")
+    if sdpq_ddp.is_applied(model):
+        sdpq_ddp.save_checkpoint(model, path.parent)
 
 
 def _resume(spec: RunSpec, model, opt, rank: int) -> int:
     if not spec.resume:
         return 0
-    state = torch.load(_checkpoint_path(spec, rank), weights_only=False)
+    path = _checkpoint_path(spec, rank)
+    state = torch.load(path, weights_only=False)
     model.module.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
-    if "sdpq" in state:
-        sdpq_ddp.load_state_dict(model, state["sdpq"])
+    if sdpq_ddp.is_applied(model):
+        sdpq_ddp.load_checkpoint(model, path.parent)  # agreed across ranks; rebuilds on a bad file
     return int(state["step"])
 
 
