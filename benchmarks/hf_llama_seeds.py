@@ -15,6 +15,8 @@ default baseline,default,no_hadamard):
                gradients with Hadamard)
   no_hadamard  the same with gradients.hadamard false
   w2-g4        the default block with 2-bit weight differences (gradients as default)
+  w2-g4-bf16   w2-g4 with bf16 gradient scales (4 + 16/128 bits per inter-node gradient element
+               instead of 4 + 32/128)
 
 Final loss = mean training loss of the last 10 steps (mean over ranks). Cross-node bytes: the
 least-traffic meter (sdpq/comm/link_bytes.py, sdpq/comm/traffic.py's byte model, independent of
@@ -35,7 +37,12 @@ a step measured at hidden 384 / 4 layers / vocab 8192 / 2 x 96 tokens, about an 
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_llama_seeds.py --hidden 384 --layers 8 \
         --vocab 256 --micro-batch 2 --seq-len 64 --steps 300 --seeds 0,1 \
-        --arms baseline,default,w2-g4 --out benchmarks/results/hf_llama_scale.json
+        --arms baseline,w2-g4-bf16,default,w2-g4 --partial runs/hf_llama_scale \
+        --out benchmarks/results/hf_llama_scale.json
+
+--partial keeps each seed's results as it finishes and reads them back instead of running again,
+so a stopped study resumes (and a later seed may run fewer arms: each arm's figures are then over
+the seeds it ran, paired with the baseline's of the same seeds).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ ARMS = {
     "default": NODES,
     "no_hadamard": {**NODES, "gradients": {"hadamard": False}},
     "w2-g4": {**NODES, "weights": {"bits": 2}},  # 2-bit weight differences, gradients as default
+    "w2-g4-bf16": {**NODES, "weights": {"bits": 2}, "gradients": {"scale_dtype": "bf16"}},
 }
 DEFAULT_ARMS = "baseline,default,no_hadamard"
 
@@ -192,10 +200,13 @@ def summarize(runs: dict, bytes_: dict | None = None, params: dict | None = None
     baseline's; with `params` ({hidden: n}), the parameter count."""
     out = {}
     for hidden, seeds in runs.items():
-        arms = list(next(iter(seeds.values())))
-        if "baseline" not in arms:
-            raise ValueError(f"hidden {hidden}: no baseline arm among {arms}")
-        finals = {arm: [statistics.mean(seeds[s][arm][-10:]) for s in seeds] for arm in arms}
+        # Note: an arm may have run on some seeds only (a study resumed with fewer arms, see
+        # --partial); its figures are over those seeds, paired with the baseline's of the same seeds.
+        arms = list(dict.fromkeys(arm for per in seeds.values() for arm in per))
+        if any("baseline" not in per for per in seeds.values()):
+            raise ValueError(f"hidden {hidden}: a seed without the baseline arm")
+        with_arm = {arm: [s for s in seeds if arm in seeds[s]] for arm in arms}
+        finals = {arm: [statistics.mean(seeds[s][arm][-10:]) for s in with_arm[arm]] for arm in arms}
         b = finals["baseline"]
         sd = statistics.stdev(b) if len(b) > 1 else None
         row: dict = {"params": params.get(hidden)} if params else {}
@@ -211,9 +222,12 @@ def summarize(runs: dict, bytes_: dict | None = None, params: dict | None = None
             if arm == "baseline":
                 continue
             m = statistics.mean(finals[arm])
+            paired = [statistics.mean(seeds[s]["baseline"][-10:]) for s in with_arm[arm]]
             row[arm] = {
+                "seeds": with_arm[arm],
                 "mean": m,
-                "ratio_to_baseline_per_seed": [a / c for a, c in zip(finals[arm], b)],
+                "baseline_mean_same_seeds": statistics.mean(paired),
+                "ratio_to_baseline_per_seed": [a / c for a, c in zip(finals[arm], paired)],
                 "diff_in_baseline_sd": (m - row["baseline_mean"]) / sd if sd else None,
                 "within_seed_spread": min(b) <= m <= max(b),
             }
@@ -223,7 +237,7 @@ def summarize(runs: dict, bytes_: dict | None = None, params: dict | None = None
             per_seed = bytes_[hidden]
             steady = {}
             for arm in arms:
-                vals = [per_seed[s][arm]["steady_per_step"] for s in per_seed]
+                vals = [per_seed[s][arm]["steady_per_step"] for s in per_seed if arm in per_seed[s]]
                 steady[arm] = None if None in vals else statistics.mean(vals)
             row["cross_node_bytes_per_step"] = steady
             base = steady["baseline"]
@@ -232,6 +246,23 @@ def summarize(runs: dict, bytes_: dict | None = None, params: dict | None = None
             }
         out[hidden] = row
     return out
+
+
+def _run_seed(hidden: int, seed: int, arms: list[str], args) -> dict:
+    """One launch of the 4 ranks for every arm of (hidden, seed): the workers' {arm: result}."""
+    with tempfile.TemporaryDirectory(prefix="sdpq-hfl-") as tmp:
+        job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "log"
+        job.write_text(json.dumps({"hidden": hidden, "seed": seed, "arms": arms, "args": vars(args)}))
+        code = run_local(
+            [str(Path(__file__).resolve()), "--worker", str(job), str(out)],
+            WORLD,
+            log=log,
+            timeout=args.timeout,
+            on_line=lambda s: print(s, end="", flush=True),
+        )
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"hidden {hidden} seed {seed} failed ({code}):\n{log.read_text()[-3000:]}")
+        return json.loads(out.read_text())
 
 
 def main(argv=None) -> int:
@@ -248,6 +279,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hf_llama_seeds.json"))
+    ap.add_argument(
+        "--partial",
+        default=None,
+        help="folder of each (hidden, seed)'s results: written as each finishes, and read instead of "
+        "running again when present (a stopped study resumes; its arms stay as they ran)",
+    )
     args = ap.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
@@ -261,23 +298,19 @@ def main(argv=None) -> int:
     for hidden in [int(h) for h in args.hidden.split(",")]:
         runs[str(hidden)], bytes_[str(hidden)], step_seconds[str(hidden)] = {}, {}, {}
         for seed in [int(s) for s in args.seeds.split(",")]:
-            with tempfile.TemporaryDirectory(prefix="sdpq-hfl-") as tmp:
-                job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "log"
-                job.write_text(json.dumps({"hidden": hidden, "seed": seed, "arms": arms, "args": vars(args)}))
-                code = run_local(
-                    [str(Path(__file__).resolve()), "--worker", str(job), str(out)],
-                    WORLD,
-                    log=log,
-                    timeout=args.timeout,
-                    on_line=lambda s: print(s, end="", flush=True),
-                )
-                if code != 0 or not out.exists():
-                    raise RuntimeError(f"hidden {hidden} seed {seed} failed ({code}):\n{log.read_text()[-3000:]}")
-                res = json.loads(out.read_text())
-                runs[str(hidden)][str(seed)] = {arm: r["losses"] for arm, r in res.items()}
-                bytes_[str(hidden)][str(seed)] = {arm: r["bytes"] for arm, r in res.items()}
-                step_seconds[str(hidden)][str(seed)] = {arm: r["step_seconds"] for arm, r in res.items()}
-                params[str(hidden)] = res["baseline"]["params"]
+            kept = Path(args.partial) / f"h{hidden}_s{seed}.json" if args.partial else None
+            if kept is not None and kept.exists():
+                res = json.loads(kept.read_text())
+                print(f"hidden {hidden} seed {seed}: read {kept} (arms {', '.join(res)})", flush=True)
+            else:
+                res = _run_seed(hidden, seed, arms, args)
+                if kept is not None:
+                    kept.parent.mkdir(parents=True, exist_ok=True)
+                    kept.write_text(json.dumps(res))
+            runs[str(hidden)][str(seed)] = {arm: r["losses"] for arm, r in res.items()}
+            bytes_[str(hidden)][str(seed)] = {arm: r["bytes"] for arm, r in res.items()}
+            step_seconds[str(hidden)][str(seed)] = {arm: r["step_seconds"] for arm, r in res.items()}
+            params[str(hidden)] = res["baseline"]["params"]
     summary = summarize(runs, bytes_, params)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
