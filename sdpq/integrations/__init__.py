@@ -7,9 +7,11 @@
 Submodules are imported on demand, so using one framework never imports the other. Exported
 here, without importing torch.distributed or DeepSpeed: the DeepSpeed config check that
 `sdpq config --check` runs, the config sdpq runs with at a ZeRO stage and ZeRO-3's weight group
-(what `sdpq plan` plans with), and the post-import hook `import sdpq` installs (and its removal).
+(what `sdpq plan` plans with), the post-import hook `import sdpq` installs (and its removal), and
+the all-or-none save of one file per rank that sdpq's own checkpoints use.
 """
 
+import os
 import sys
 
 from ._ds_config import IncompatibleConfigError, zero3_weight_group
@@ -24,6 +26,7 @@ __all__ = [
     "deepspeed_config_at_stage",
     "install_deepspeed_hook",
     "mark_weights_changed",
+    "save_on_every_rank",
     "uninstall_deepspeed_hook",
     "zero3_weight_group",
 ]
@@ -48,3 +51,14 @@ def mark_weights_changed(target, *, exact: bool = True) -> None:
         f"sdpq.mark_weights_changed: {type(target).__name__} has no sdpq weight gathers; expected an "
         "FSDP2 model after sdpq.fsdp.apply or a DeepSpeed engine from sdpq.deepspeed.initialize"
     )
+
+
+def save_on_every_rank(obj, path: str | os.PathLike, what: str = "save_on_every_rank") -> None:
+    """torch.save(obj, path) on every rank of the default group, all or none (collective): each
+    rank writes its file beside its previous one, the ranks agree that all were written, and only
+    then does each replace its previous file. A rank that cannot write (a full disk) raises the
+    same CheckpointSaveError on every rank, naming it; no previous file is replaced. `what` names
+    the caller in that error."""
+    from ._files import every_rank_problem, save_agreed  # Note: torch.distributed only when used
+
+    save_agreed(obj, os.fspath(path), every_rank_problem, what)

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm import stats as comm_stats
 from ..comm import timing
 from ..integrations import ddp as sdpq_ddp
-from ..integrations._files import every_rank_problem, save_agreed
+from ..integrations import save_on_every_rank
 from ..launch.env import compute_device
 from .data import TokenData
 from .fsdp_backend import build_optimizer, sdpq_config
@@ -120,12 +120,12 @@ def _checkpoint_path(spec: RunSpec, rank: int) -> Path:
 def save_checkpoint(spec: RunSpec, model, opt, step: int, rank: int) -> None:
     """Every rank's own file of model and optimizer (the replicas are equal, but sdpq AdamW's
     compressed states are per rank), then sdpq's state through `sdpq.ddp.save_checkpoint`. Both
-    are saved all or none (`_files.save_agreed`): a rank that cannot write leaves every rank's
+    are saved all or none (`sdpq.integrations.save_on_every_rank`): a rank that cannot write leaves every rank's
     previous files as they were and raises the same CheckpointSaveError on every rank."""
     state: dict[str, Any] = {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}
     path = _checkpoint_path(spec, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_agreed(state, str(path), every_rank_problem, "ddp_backend.save_checkpoint")
+    save_on_every_rank(state, path, "ddp_backend.save_checkpoint")
     if sdpq_ddp.is_applied(model):
         sdpq_ddp.save_checkpoint(model, path.parent)
 
