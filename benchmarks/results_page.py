@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_ddp  # noqa: E402  (rows kept in their own files; benchmarks/ is not a package here)
+import results_default  # noqa: E402
 import results_kernels  # noqa: E402
 import results_memory  # noqa: E402
 import results_recount  # noqa: E402
@@ -47,7 +48,14 @@ REFERENCE_FILES = ("reference_long.json", "reference_long_int8.json")
 # which counts a world-wide all-gather, reduce-scatter or all-reduce L = 2 times its least traffic
 # (sdpq's cross-node collectives, one rank per node, and HSDP's replicate groups are the same in
 # both): their byte rows say so, and the README quotes none of them.
-LEAST_COUNTED = {"demo_bf16_40steps_least.json", "wire_bytes.json", "long_bytes.json", "recount_bytes.json"}
+LEAST_COUNTED = {
+    "demo_bf16_40steps_least.json",
+    "wire_bytes.json",
+    "long_bytes.json",
+    "recount_bytes.json",
+    "plan_bytes_check.json",
+    "hf_llama_scale.json",
+}
 PER_MEMBER_UNAFFECTED = {"bytes-hsdp"}  # groups of one rank per node: the two counts agree
 PER_MEMBER = " [counted per member: the baseline's world collectives at 2x their least traffic]"
 COLUMNS = ("key", "what you get", "sdpq", "baseline", "sdpq / baseline", "file", "command", "date", "commit", "machine")
@@ -504,6 +512,8 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
     zero12_ef = load(results_dir, "deepspeed_zero12_ef.json", "benchmarks/deepspeed_zero12.py")
     budget = load(results_dir, "kernel_budget.json", "benchmarks/kernel_budget.py")
     recount = load(results_dir, "recount_bytes.json", "benchmarks/recount_bytes.py")
+    plan_bytes = load(results_dir, "plan_bytes_check.json", "benchmarks/plan_bytes_check.py")
+    scale = load(results_dir, "hf_llama_scale.json", "benchmarks/hf_llama_seeds.py")
     builders: list[tuple[list[Source], Callable[..., list[Row]]]] = [
         ([demo, demo_timing], _demo_rows),
         (zeropp, _zeropp_rows),
@@ -525,6 +535,8 @@ def rows(results_dir: Path = RESULTS_DIR) -> list[Row]:
         if reference.exists:
             out += _below_four_rows(reference, steady)
     optional = (  # (results file, its rows), each left out until its study has run
+        (plan_bytes, results_default.plan_check_rows),
+        (scale, results_default.scale_rows),
         (plan_check, results_memory.measured_rows),
         (memory_table, results_memory.planned_rows),
         (ddp, functools.partial(results_ddp.ddp_rows, recount=recount)),
