@@ -19,9 +19,11 @@ struct Spec {
   int64_t bits, G, qmax, scale_size;
   bool stochastic, bf16;  // bf16: scales travel as bf16 (rounded up), else fp32
   int g_shift;            // log2(G) when G is a power of two, else -1
+  float scale_cap;        // the largest bf16 scale whose qmax multiple is finite (as groupwise.py)
   Spec(int64_t bits_, int64_t G_, bool stochastic_, bool bf16_)
       : bits(bits_), G(G_), qmax((int64_t{1} << (bits_ - 1)) - 1), scale_size(bf16_ ? 2 : 4),
-        stochastic(stochastic_), bf16(bf16_), g_shift((G_ & (G_ - 1)) == 0 ? __builtin_ctzll(G_) : -1) {
+        stochastic(stochastic_), bf16(bf16_), g_shift((G_ & (G_ - 1)) == 0 ? __builtin_ctzll(G_) : -1),
+        scale_cap(float_of(bits_of(std::numeric_limits<float>::max() / static_cast<float>(qmax)) & 0xFFFF0000u)) {
     TORCH_CHECK(bits == 2 || bits == 3 || bits == 4 || bits == 8, "codec: bits=", bits, "; allowed: 2, 3, 4, 8");
     TORCH_CHECK(G >= 2 && G % 2 == 0 && (bits >= 4 || G % 8 == 0), "codec: group_size=", G,
                 "; allowed: an even integer >= 2 (a multiple of 8 at 2 or 3 bits)");
@@ -63,8 +65,13 @@ SDPQ_INLINE f8 uniform01(uint32_t seed, uint64_t pos, u8 lane) {
 }
 
 // The smallest bf16 value >= s (s >= 0; NaN is handled by the caller), as fp32: bf16 is the top
-// half of an fp32, and adding 0xFFFF carries into it unless the low half is already zero.
-inline float round_scale(float s, bool bf16) { return bf16 ? float_of((bits_of(s) + 0xFFFFu) & 0xFFFF0000u) : s; }
+// half of an fp32, and adding 0xFFFF carries into it unless the low half is already zero. A
+// finite s is capped at `cap` so that qmax * scale stays finite (sdpq/quant/groupwise.py's Note).
+inline float round_scale(float s, bool bf16, float cap) {
+  if (!bf16) return s;
+  const float up = float_of((bits_of(s) + 0xFFFFu) & 0xFFFF0000u);
+  return (std::isfinite(s) && up > cap) ? cap : up;
+}
 
 // Round to nearest even for |y| < 2^22 (the codes' range): adding and subtracting 1.5 * 2^23
 // leaves no fraction bits, and round-to-nearest-even is the FPU's rounding.
@@ -221,7 +228,7 @@ struct GroupScale {
   float s, safe;
   bool finite;
   SDPQ_INLINE GroupScale(float amax, bool nan, const Spec& sp) {
-    s = round_scale(amax / static_cast<float>(sp.qmax), sp.bf16);
+    s = round_scale(amax / static_cast<float>(sp.qmax), sp.bf16, sp.scale_cap);
     if (nan) s = std::numeric_limits<float>::quiet_NaN();  // the wire's one NaN pattern (as wire.py)
     finite = std::isfinite(s);
     safe = (finite && s > 0.0f) ? s : 1.0f;

@@ -116,7 +116,12 @@ def group_scales(v, QMAX: tl.constexpr, SCALE_BF16: tl.constexpr, LIBDEVICE: tl.
     amax = absmax(v, LIBDEVICE)  # a NaN group gets a NaN scale, as torch.amax gives
     s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
     if SCALE_BF16:  # rounded up to bf16 (as sdpq.quant.groupwise): top half of the bits, carried
-        s = ((s.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+        up = ((s.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+        # capped so that QMAX * scale stays finite (groupwise.py's Note): fp32 max / QMAX, truncated
+        fmax = tl.full(amax.shape, 3.4028234663852886e38, tl.float32)
+        top = tl.math.div_rn(fmax, tl.full(amax.shape, QMAX, tl.float32))
+        cap = (top.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        s = tl.where((tl.abs(s) < float("inf")) & (up > cap), cap, up)
         s = tl.where(amax != amax, float("nan"), s)  # the carry would turn some NaN bits into inf
     finite = tl.abs(s) < float("inf")  # False for inf and NaN
     return s, finite

@@ -15,6 +15,18 @@ bits, which keeps |x / s| <= qmax (no clipping, so the bounds above hold for eve
 cost of at most 2^-8 of resolution. fp16 scales are not offered: a 4-bit group with absmax below
 about 4e-7 would decode as zeros and one above 4.6e5 as NaN, and gradients span both.
 
+Note (invariant): a decoded value qmax * s stays finite. Rounded up, a bf16 scale of a group whose
+absmax lies within 2^-8 of the fp32 maximum would decode its largest codes past it, to inf; such
+a scale is capped at ``bf16_scale_cap(qmax)``, the largest bf16 value whose qmax multiple is
+finite. Only those groups' largest elements are then clipped, by qmax (fp32 max / qmax - cap)
+/ cap: at most 0.016 of a step for every offered width (tests/quant/test_groupwise.py), so the
+nearest-rounding bound still holds for them; stochastic rounding stays within one step there but
+is no longer unbiased. The C++ and Triton codecs cap alike (``fp32 max / qmax`` in fp32,
+truncated to bf16). What the cap cannot prevent: a bf16 scale up to 2^-8 above max / qmax makes a
+group of equal magnitudes decode that much larger together, so a sum or transform of such values
+within 2^-8 of the fp32 maximum can still round past it; fp32 scales keep every finite value
+finite up to the maximum itself (tests/comm/test_comm_grads.py).
+
 Note: a non-finite input (inf/nan) makes its group's scale non-finite; the codes of that group
 are zeroed and the group decodes to NaN. A gradient overflow therefore survives quantization as
 a non-finite value instead of being encoded as finite garbage.
@@ -111,12 +123,22 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"quantize: need a non-empty last dimension, got shape {tuple(x.shape)}")
 
 
-def _wire_scales(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 scales (>= 0 or NaN) -> the nearest value of the wire dtype that is >= s, as fp32."""
+def bf16_scale_cap(qmax: int) -> float:
+    """The largest bf16 value b with qmax * b finite in fp32: fp32(max) / qmax in fp32 arithmetic,
+    truncated to bf16 (exact for qmax 1, 3, 7 and 127, tests/quant/test_groupwise.py)."""
+    q = torch.tensor(torch.finfo(torch.float32).max) / qmax
+    return float(q.view(torch.int32).bitwise_and(-65536).view(torch.float32))
+
+
+def _wire_scales(s: torch.Tensor, dtype: torch.dtype, qmax: int) -> torch.Tensor:
+    """fp32 scales (>= 0 or NaN) -> the nearest value of the wire dtype that is >= s, as fp32;
+    bf16 scales of finite groups at most bf16_scale_cap(qmax) (see the module's Note)."""
     if dtype == torch.float32:
         return s
     # bf16 is the top half of an fp32: adding 0xFFFF carries into it unless the low half is zero.
     up = (s.view(torch.int32) + 0xFFFF).bitwise_and_(-65536).view(torch.float32)
+    cap = bf16_scale_cap(qmax)
+    up = torch.where(s.isfinite() & (up > cap), torch.full_like(up, cap), up)
     return torch.where(s.isnan(), s, up)  # a NaN with a full payload would carry into the sign
 
 
@@ -128,7 +150,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
     xp = torch.nn.functional.pad(x.float(), (0, g * G - n)).view(*lead, g, G)
     # Round the scale to its wire dtype *before* dividing, so encoder and decoder agree.
     amax = xp.abs().amax(dim=-1)
-    scales = _wire_scales(true_div(amax, spec.qmax), spec.scale_dtype)
+    scales = _wire_scales(true_div(amax, spec.qmax), spec.scale_dtype, spec.qmax)
     finite = torch.isfinite(scales)
     # Zero or non-finite scales divide by 1; their codes are forced to 0 below.
     safe = torch.where(finite & (scales > 0), scales, torch.ones_like(scales)).unsqueeze(-1)

@@ -238,3 +238,20 @@ def test_division_by_the_group_scale_is_ieee(spec):
     got = codec.encode_rows(x, spec)[0]
     want = _encode_rows_ref(x, spec, None, 1, None, None, None)[0]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_bf16_scales_at_the_top_of_the_fp32_range_match_reference(bits):
+    """Groups within 2^-8 of the fp32 maximum: the capped bf16 scale (sdpq.quant.groupwise's
+    Note) is the reference's, bitwise, and every value decodes finite."""
+    spec = QuantSpec(bits, 128, scale_dtype=torch.bfloat16)
+    top = torch.finfo(torch.float32).max
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(bits)) * 1e37
+    x[0, 3], x[0, 300], x[1, 129] = top, -top * (1 - 2**-9), 3.3e38
+    x = x.to(DEV)
+    wire, _, _ = codec.encode_rows(x, spec)
+    want = _encode_rows_ref(x, spec, None, 1, None, None, None)[0]
+    assert torch.equal(wire, want)
+    got = codec.decode_rows(want, spec, 512, torch.empty(2, 512, device=DEV))
+    assert torch.isfinite(got).all()
+    assert _same(got, _decode_rows_ref(want, spec, 512, torch.empty(2, 512, device=DEV), False))

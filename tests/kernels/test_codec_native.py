@@ -257,3 +257,19 @@ def test_decode_rows_inverse_hadamard_is_decode_then_inverse(spec):
     want = inverse_hadamard(dequantize(unpack(wire, spec, numel)), *had)
     got = decode_rows_inverse_hadamard(wire, spec, numel, had)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_bf16_scales_at_the_top_of_the_fp32_range_match_reference(bits):
+    """Groups within 2^-8 of the fp32 maximum: the capped bf16 scale (sdpq.quant.groupwise's
+    Note) is the reference's, bitwise, and every value decodes finite."""
+    spec = QuantSpec(bits, 128, scale_dtype=torch.bfloat16)
+    top = torch.finfo(torch.float32).max
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(bits)) * 1e37
+    x[0, 3], x[0, 300], x[1, 129] = top, -top * (1 - 2**-9), 3.3e38
+    got = OPS.encode_rows(x, None, 1, *_args(spec), None, 1, 0)
+    want = _encode_rows_ref(x, spec, None, 1, None, 1, None)
+    assert torch.equal(got[0], want[0])
+    out = torch.empty(2, 512)
+    OPS.decode_rows(got[0], 512, *_args(spec)[:2], _args(spec)[3], out, False)
+    assert torch.isfinite(out).all()

@@ -8,6 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from sdpq.quant import QuantSpec, dequantize, nonfinite_groups, quantize
+from sdpq.quant.groupwise import bf16_scale_cap
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -146,3 +147,25 @@ def test_bad_input_is_a_clear_error():
         QuantSpec(bits=3, group_size=4)
     with pytest.raises(ValueError, match="rounding"):
         QuantSpec(rounding="up")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_bf16_scales_at_the_top_of_the_fp32_range_decode_finite(bits, rounding):
+    """A group whose absmax is within 2^-8 of the fp32 maximum: its rounded-up bf16 scale would
+    decode qmax codes to inf; the cap keeps every value finite and within the quantizer's bound
+    (half a step nearest, one step stochastic), the clipped elements by at most 0.016 of a step."""
+    top = torch.finfo(torch.float32).max
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(bits)) * 1e37
+    x[0, 3], x[1, 200], x[2, 17], x[3, 100] = top, -top, top * (1 - 2**-9), 3.3e38
+    spec = QuantSpec(bits=bits, group_size=128, rounding=rounding, scale_dtype=torch.bfloat16)
+    q = quantize(x, spec, generator=torch.Generator().manual_seed(0))
+    y = dequantize(q)
+    assert torch.isfinite(y).all()
+    s = q.scales.repeat_interleave(128, dim=-1)
+    assert torch.all((y.double() - x.double()).abs() <= s.double() * (0.5 if rounding == "nearest" else 1.0))
+    cap = bf16_scale_cap(spec.qmax)
+    above = torch.tensor(cap).view(torch.int32).add(0x10000).view(torch.float32)  # the next bf16 value
+    assert spec.qmax * cap <= top < spec.qmax * float(above)  # the largest with a finite qmax multiple
+    assert (top / spec.qmax - cap) / cap * spec.qmax < 0.016
+    assert torch.equal(q.scales, q.scales.bfloat16().float())  # still exactly bf16 values
