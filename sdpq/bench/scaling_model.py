@@ -39,6 +39,7 @@ from typing import Literal
 
 from ..config import Config
 from ..quant import QuantSpec
+from ..quant.groupwise import SCALE_DTYPES
 
 __all__ = [
     "Cluster",
@@ -131,9 +132,11 @@ PUBLISHED: dict[tuple[str, str], tuple[float, float, Layout]] = {
 FIT_ON = ("1.3B", "6.7B")
 
 
-def wire_bits(bits: int, group_size: int) -> float:
-    """Bits per element on the wire: codes + one fp32 scale per group (sdpq.quant's accounting)."""
-    return QuantSpec(bits=bits, group_size=group_size).wire_bits_per_element(1 << 20)
+def wire_bits(bits: int, group_size: int, scale_dtype: str = "fp32") -> float:
+    """Bits per element on the wire: codes + one scale per group, fp32 or bf16 (sdpq.quant's
+    accounting)."""
+    spec = QuantSpec(bits=bits, group_size=group_size, scale_dtype=SCALE_DTYPES[scale_dtype])
+    return spec.wire_bits_per_element(1 << 20)
 
 
 def _dp_layout(c: Cluster, lay: Layout) -> tuple[int, int, int]:

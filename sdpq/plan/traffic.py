@@ -68,7 +68,7 @@ def _hops(arm: Arm, framework: str) -> tuple[list[Hop], list[Hop]]:
         return [("all_gather", 16.0, "world")] * GATHERS, [("reduce_scatter", grad, "world")]
     g = cfg.gradients
     grads: Hop = (
-        ("reduce_scatter", wire_bits(g.inter_bits, g.inter_group_size), "nodes")
+        ("reduce_scatter", wire_bits(g.inter_bits, g.inter_group_size, g.scale_dtype), "nodes")
         if g.mode == "two_level"
         else ("reduce_scatter", 32.0, "world")
     )
@@ -76,10 +76,11 @@ def _hops(arm: Arm, framework: str) -> tuple[list[Hop], list[Hop]]:
         return [], [("all_reduce", grads[1], grads[2])]
     w = cfg.weights
     if zero12:  # the owners' differences go to every rank in one world all-gather
-        return [("all_gather", wire_bits(w.bits, w.group_size) if w.mode == "diff" else 16.0, "world")], [grads]
+        diff = wire_bits(w.bits, w.group_size, w.scale_dtype)
+        return [("all_gather", diff if w.mode == "diff" else 16.0, "world")], [grads]
     weights: list[Hop] = {
-        "diff": [("all_gather", wire_bits(w.bits, w.group_size), "nodes")],
-        "direct": [("all_gather", wire_bits(8, w.group_size), "world")] * GATHERS,
+        "diff": [("all_gather", wire_bits(w.bits, w.group_size, w.scale_dtype), "nodes")],
+        "direct": [("all_gather", wire_bits(8, w.group_size, w.scale_dtype), "world")] * GATHERS,
         "exact": [("all_gather", 16.0, "world")] * GATHERS,
     }[w.mode]
     return weights, [grads]
