@@ -11,12 +11,15 @@ stdlib corpus: token ids 0-255 only, so embedding rows past 256 get no gradient)
 Arms per (hidden, seed), same initialisation and batches (--arms, a comma list with baseline;
 default baseline,default,no_hadamard):
   baseline     plain FSDP2
-  default      sdpq.fsdp.apply with the default block (4-bit weight differences, 8/4-bit
-               gradients with Hadamard)
+  default      sdpq.fsdp.apply with the default block (2-bit weight differences, 8/4-bit
+               gradients with Hadamard and bf16 scales)
   no_hadamard  the same with gradients.hadamard false
-  w2-g4        the default block with 2-bit weight differences (gradients as default)
-  w2-g4-bf16   w2-g4 with bf16 gradient scales (4 + 16/128 bits per inter-node gradient element
-               instead of 4 + 32/128)
+  w4-g4        4-bit weight differences, fp32 gradient scales (the default until 2026-11-28; the
+               results files written before then call it `default`)
+  w2-g4        2-bit weight differences, fp32 gradient scales (4 + 32/128 bits per inter-node
+               gradient element)
+  w2-g4-bf16   2-bit weight differences, bf16 gradient scales (4 + 16/128): the default, spelled
+               out
 
 Final loss = mean training loss of the last 10 steps (mean over ranks). Cross-node bytes: the
 least-traffic meter (sdpq/comm/link_bytes.py, sdpq/comm/traffic.py's byte model, independent of
@@ -31,13 +34,13 @@ The scale study (a model at least 10x the long-run model's 918,656 parameters, 2
 steps, against bf16): hidden 384, 8 layers, vocab 256 (14.4M parameters, all of them trained: the
 byte-level data has ids 0-255 only, so a larger vocabulary adds embedding rows that never train,
 and FSDP2 gathers the root's embedding once a step rather than twice, which raises every byte
-ratio: at vocab 8192 the default block measured 0.147 instead of ~0.13). Not run yet; from 1.7 s
-a step measured at hidden 384 / 4 layers / vocab 8192 / 2 x 96 tokens, about an hour on an idle
-2-core machine:
+ratio: at vocab 8192 the default block measured 0.147 instead of ~0.13). Run on 2026-11-28 with
+the arms baseline and w2-g4-bf16 (results/hf_llama_scale.json; ~25 min a seed on an idle 2-core
+machine, 2-4 s a step; a launch runs every arm of its seed, so give it --timeout to match):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_llama_seeds.py --hidden 384 --layers 8 \
         --vocab 256 --micro-batch 2 --seq-len 64 --steps 300 --seeds 0,1 \
-        --arms baseline,w2-g4-bf16,default,w2-g4 --partial runs/hf_llama_scale \
+        --arms baseline,w2-g4-bf16 --partial runs/hf_llama_scale --timeout 7200 \
         --out benchmarks/results/hf_llama_scale.json
 
 --partial keeps each seed's results as it finishes and reads them back instead of running again,
@@ -70,7 +73,8 @@ ARMS = {
     "baseline": None,
     "default": NODES,
     "no_hadamard": {**NODES, "gradients": {"hadamard": False}},
-    "w2-g4": {**NODES, "weights": {"bits": 2}},  # 2-bit weight differences, gradients as default
+    "w4-g4": {**NODES, "weights": {"bits": 4}, "gradients": {"scale_dtype": "fp32"}},
+    "w2-g4": {**NODES, "weights": {"bits": 2}, "gradients": {"scale_dtype": "fp32"}},
     "w2-g4-bf16": {**NODES, "weights": {"bits": 2}, "gradients": {"scale_dtype": "bf16"}},
 }
 DEFAULT_ARMS = "baseline,default,no_hadamard"

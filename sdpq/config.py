@@ -143,12 +143,13 @@ class WeightsConfig(_Section):
         version and gathers the reference inside the node (SDP4Bit qWD + ZeRO++ hpZ);
         "direct" quantizes the weights themselves on every gather (ZeRO++ qwZ, stateless);
         "exact" is the plain all-gather (baseline).
-    bits: code width of the quantized payload. diff: 2, 3, 4 or 8 (symmetric codes in
+    bits: code width of the quantized payload. diff: 2 (default), 3, 4 or 8 (symmetric codes in
         [-(2^(bits-1) - 1), 2^(bits-1) - 1]: 2 bits is -1, 0, 1; the reference carries each
-        difference's error into the next); direct: 8 only (4-bit direct weights cost SDP4Bit
-        2.573 vs 2.294 validation loss on GPT-125M).
-    group_size: elements per absmax scale; 2048 gives 4 + 32/2048 = 4.016 bits per element
-        (a power of two, 32 to 4096: the GPU kernels hold a group in one tile).
+        difference's error into the next, so 2 bits kept the baseline's loss; see "Choosing code
+        widths"); direct: 8 only (4-bit direct weights cost SDP4Bit 2.573 vs 2.294 validation
+        loss on GPT-125M).
+    group_size: elements per absmax scale; 2048 gives 2 + 32/2048 = 2.016 bits per element at
+        2 bits (a power of two, 32 to 4096: the GPU kernels hold a group in one tile).
     rounding: "nearest" (weights: errors are fed back by the reference) or "stochastic".
     scale_dtype: wire scale format: "fp32" (32 bits per group) or "bf16" (16 bits, rounded up;
         same range as fp32, so no finite group is lost). "fp16" is refused: it loses groups of
@@ -168,7 +169,7 @@ class WeightsConfig(_Section):
     """
 
     mode: Literal["diff", "direct", "exact"] = "diff"
-    bits: int = 4
+    bits: int = 2
     group_size: int = 2048
     rounding: Literal["nearest", "stochastic"] = "nearest"
     scale_dtype: ScaleFormat = "fp32"
@@ -202,9 +203,11 @@ class GradientsConfig(_Section):
         block larger than a rank's chunk of the bucket is clamped to the chunk rounded up to a
         power of two).
     rounding: "stochastic" (unbiased; SDP4Bit default) or "nearest".
-    scale_dtype: wire scale format: "fp32" (32 bits per group) or "bf16" (16 bits, rounded up;
-        same range as fp32, so no finite group is lost). "fp16" is refused: it loses groups of
-        small or large values.
+    scale_dtype: wire scale format: "bf16" (default: 16 bits per group, rounded up, so a code
+        step is at most 2^-8 coarser; the range of fp32, but sums within 2^-8 of the fp32
+        maximum may round past it; 4-bit groups of 128 travel at 4.125 bits an element) or
+        "fp32" (32 bits, 4.25 bits an element). "fp16" is refused: it loses groups of small or
+        large values.
     error_feedback: keep the inter-node stage's residual and add it before the next quantization.
     pipeline_chunks: slices whose inter-node stage overlaps the next slice's intra-node stage.
     seed: shared seed of the Hadamard signs and stochastic rounding streams.
@@ -218,7 +221,7 @@ class GradientsConfig(_Section):
     hadamard: bool = True
     hadamard_block: int = 128
     rounding: Literal["stochastic", "nearest"] = "stochastic"
-    scale_dtype: ScaleFormat = "fp32"
+    scale_dtype: ScaleFormat = "bf16"
     error_feedback: bool = False
     pipeline_chunks: int = 1
     seed: int = 0
@@ -416,27 +419,33 @@ class Config:
 
 
 # Note: the one place the reference says which settings to pick; the figures behind it are in
-# benchmarks/RESULTS.md ("Below four bits"), and the defaults stay what the headline figures use.
+# benchmarks/RESULTS.md ("Below four bits", "The default"), from the studies named here.
 _CHOOSING_WIDTHS = """## Choosing code widths
 
-The defaults send 4-bit weight differences and 8-bit (inside a node) then 4-bit (across nodes)
-gradients. Fewer bits are offered across nodes: `weights.bits` and `gradients.inter_bits` take
-3 or 2. A screen of every combination of {4, 3, 2} weight bits, {4, 3, 2} gradient bits and
-gradient error feedback on or off (`benchmarks/frontier.py`, one seed, 200 steps, FSDP2) found:
+The defaults send 2-bit weight differences (fp32 scales per 2048) and gradients 8-bit inside a
+node, then 4-bit across nodes (bf16 scales per 128). `weights.bits` takes 2, 3, 4 or 8 and
+`gradients.inter_bits` 2, 3, 4 or 8. A screen of every combination of {4, 3, 2} weight bits,
+{4, 3, 2} gradient bits and gradient error feedback on or off (`benchmarks/frontier.py`, one seed,
+200 steps, FSDP2) found:
 
 - Weight differences tolerate fewer bits. The node-resident reference carries each
   difference's rounding into the next. `weights.bits: 3` cost no loss. `weights.bits: 2` cost
-  +0.4% at 200 steps and nothing measurable over 1000 steps and 3 seeds.
+  +0.4% at 200 steps and nothing measurable over 1000 steps and 3 seeds
+  (`benchmarks/frontier_long.py`: -0.21% FSDP2, -0.01% ZeRO-3), nor on a 14.4M-parameter Llama
+  over 300 steps (`benchmarks/hf_llama_seeds.py`, the scale study in benchmarks/RESULTS.md).
 - Gradients do not. `inter_bits: 3` cost +0.5% to +0.9% and `inter_bits: 2` about +3%, at
   every weight width.
 - `error_feedback` helped at no width. With 2-bit gradients it diverged (+22%): a three-level
   code's residual is as large as the gradient itself, and Adam's per-element scaling amplifies
   it on small coordinates.
+- bf16 gradient scales (the default) make a code step at most 2^-8 coarser and save 0.125 bits
+  an element (4.125 instead of 4.25 across nodes); set `gradients.scale_dtype: "fp32"` for
+  sums within 2^-8 of the fp32 maximum.
 
-For the fewest bytes at the baseline's loss, set `{"weights": {"bits": 2}}` and keep the gradient
-defaults. Over 1000 steps and 3 seeds it kept the baseline's loss (`benchmarks/frontier_long.py`), and
-it sends 0.099 of bf16 FSDP2's cross-node bytes and about 0.13 of ZeRO-3's when ZeRO-3 gathers the
-weights again in the backward, as at scale (least traffic: `benchmarks/long_bytes.py`, `sdpq plan`).
+By the least cross-node traffic, the defaults send about 0.10 of bf16 FSDP2's bytes (fp32
+reduce) and 0.13 of bf16 ZeRO-3's when ZeRO-3 gathers the weights again in the backward, as at
+scale (`benchmarks/plan_bytes_check.py`, `sdpq plan`). `{"weights": {"bits": 4}}` (the default
+until 2026-11-28) sends about 0.13 and 0.17 for a finer weight code at no measured loss benefit.
 """
 
 

@@ -41,8 +41,8 @@ __all__ = ["add_arguments", "main", "ARMS", "DEFAULT_ARMS", "PAIRS", "Arm", "arm
 # statistics as sdpq's, so the cross-node ratio compares like with like (EXACT, from
 # sdpq.train.settings: python -m sdpq.train counts a run without a block the same way).
 
-# The library's defaults, spelled out (an empty block would mean plain DeepSpeed): 4-bit weight
-# differences, 8/4-bit gradients with Hadamard, FP8 states + MCF master (which needs bf16); with
+# The library's defaults, spelled out (an empty block would mean plain DeepSpeed): 2-bit weight
+# differences, 8/4-bit gradients with Hadamard and bf16 scales, FP8 states + MCF master (which needs bf16); with
 # ZeRO-3, the opt-in workaround that drops its redundant bf16 master copy (FSDP2 ignores it).
 FULL: dict[str, dict] = {
     **{section: {} for section in ("weights", "gradients", "optimizer")},

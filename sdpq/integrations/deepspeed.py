@@ -5,7 +5,8 @@ what it returns. It reads the top-level ``"sdpq"`` block of the DeepSpeed config
 ``sdpq.Config.from_deepspeed``); a missing or empty block is plain DeepSpeed. With a block:
 
 - weights: ZeRO-3's parameter all-gathers go through ``sdpq.comm.WeightGather`` (``diff``:
-  4-bit differences against a node-resident reference; ``direct`` int8; ``exact``);
+  2-bit differences by default, up to 8, against a node-resident reference; ``direct`` int8;
+  ``exact``);
 - gradients: ZeRO-3's gradient reduce-scatter goes through ``sdpq.comm.GradReduceScatter``
   (two-level 8-bit intra-node / 4-bit inter-node, or ``exact``), DeepSpeed's averaging kept;
 - optimizer (``"optimizer": {"enabled": true}``, the default): ``sdpq.optim.AdamW`` built from
@@ -24,7 +25,7 @@ _ds_zero12_internals.py or _ds_engine_internals.py.
 
 ZeRO stages 1 and 2 (``Zero12Adapter``, _ds_zero12.py; DeepSpeed's two ZeRO-1/2 optimizers are hooked in
 _ds_zero12_internals.py): every rank holds the full weights, so
-the weight path needs no reference: each owner sends 4-bit differences between its new master
+the weight path needs no reference: each owner sends 2-bit differences between its new master
 partition and the weights everyone holds (``sdpq.comm.ReplicaDiffGather``); each gradient bucket
 goes to the owners of its pieces through the two-level quantized exchange
 (``sdpq.comm.OwnedReduceScatter``); sdpq's AdamW keeps a native fp32 master there

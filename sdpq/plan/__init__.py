@@ -41,14 +41,14 @@ def arms_for(framework: str) -> list[Arm]:
 
     arms = [Arm("bf16")]
     if framework in ("zero1", "zero2"):  # full replicas: no reference to store, no ZeRO++ (ZeRO-3's)
-        return [*arms, Arm("sdpq", sdpq()), Arm("sdpq 2-bit weights", sdpq(bits=2))]
+        return [*arms, Arm("sdpq", sdpq()), Arm("sdpq 4-bit weights", sdpq(bits=4))]
     if framework != "hsdp":
         arms.append(Arm("ZeRO++ (hpZ+qwZ+qgZ)", zeropp=True))
     arms += [
         Arm("sdpq", sdpq()),
         Arm("sdpq int8 reference", sdpq(reference="int8")),
         Arm("sdpq stateless (direct)", sdpq(mode="direct", bits=8)),
-        Arm("sdpq 2-bit weights", sdpq(bits=2)),
+        Arm("sdpq 4-bit weights", sdpq(bits=4)),
     ]
     return arms
 

@@ -105,10 +105,10 @@ def test_stochastic_default_and_bytes(dist):
         rel = float((r["out"].double() - r["exact"]).norm() / r["exact"].norm())
         assert rel < 0.3, rel
         inter = r["stats"]["gradients"]["inter"]
-        # Two phases of R - 1 = 1 chunk of 4096 elements: 4-bit codes + one fp32 scale per 128.
-        assert inter["bytes"] == 2 * (4096 // 2 + 4096 // 128 * 4)
-        # against a bf16 ring all-reduce (2 (R - 1) / R * numel elements of 16 bits): 4.25 / 16
-        assert inter["elements"] == 2 * 4096 and inter["compression"] == pytest.approx(16 / 4.25)
+        # Two phases of R - 1 = 1 chunk of 4096 elements: 4-bit codes + one bf16 scale per 128.
+        assert inter["bytes"] == 2 * (4096 // 2 + 4096 // 128 * 2)
+        # against a bf16 ring all-reduce (2 (R - 1) / R * numel elements of 16 bits): 4.125 / 16
+        assert inter["elements"] == 2 * 4096 and inter["compression"] == pytest.approx(16 / 4.125)
         assert "intra" not in r["stats"]["gradients"]
 
 

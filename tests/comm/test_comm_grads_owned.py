@@ -83,7 +83,7 @@ def test_bytes_are_those_of_a_balanced_reduce_scatter(dist):
     intra_sent = [s["gradients"]["intra"]["bytes"] for s in per]
     inter_sent = [s["gradients"]["inter"]["bytes"] for s in per]
     padded = 384 + 4864  # the two parameters (300 and 4820 elements) on whole groups of 128
-    row8, row4 = padded + 4 * (padded // 128), padded // 2 + 4 * (padded // 128)  # codes + fp32 scales
+    row8, row4 = padded + 2 * (padded // 128), padded // 2 + 2 * (padded // 128)  # codes + bf16 scales
     # owner 2 = node 1, local 0: its node peer (rank 3) and the other node's local 0 (rank 0)
     # send it 8-bit rows; rank 0 sums node 0's partial (rank 1's row) and sends it 4-bit.
     assert intra_sent == [0, row8, 0, row8]

@@ -197,7 +197,7 @@ def _weights(ctx, aligned: bool):
     segs = [Segment(0, norm), Segment(norm, matrix, 256)]
     # An fp32 reference: what is measured is the difference's quantizer (a bf16 one would round
     # the norm's 1e-4 moves away, as bf16 compute weights do).
-    cfg = WeightsConfig(reference="fp32")
+    cfg = WeightsConfig(bits=4, reference="fp32")
     wg = WeightGather((norm + matrix) * ctx.world_size, topo, cfg, segments=segs if aligned else None)
     g = torch.Generator().manual_seed(ctx.rank)
     w = torch.randn(norm + matrix, generator=g)

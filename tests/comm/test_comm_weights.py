@@ -239,7 +239,7 @@ def test_direct_stochastic_stream_survives_save_restore(dist):
 
 def _corrupt(ctx, numel, verify_every, corrupt_at, steps):
     topo = Topology.build(ctx.ranks_per_node)
-    wg = WeightGather(numel, topo, WeightsConfig(verify_every=verify_every), record_to=CommStats())
+    wg = WeightGather(numel, topo, WeightsConfig(bits=4, verify_every=verify_every), record_to=CommStats())
     C = wg.shard_numel
     digests, warned, errs = [], [], []
     for t, w in enumerate(_walk(numel, steps, 1e-3)):

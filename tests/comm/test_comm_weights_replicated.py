@@ -31,7 +31,7 @@ def _steps_case(ctx, P, steps, cfg_kwargs, max_elements):
 @pytest.mark.parametrize("nodes,rpn", [(2, 2), (1, 4)], ids=["2x2", "1x4"])
 def test_replicas_stay_bitwise_equal_and_track_the_master(dist, nodes, rpn):
     P = 5000  # not a multiple of the group: the last group is short
-    res = dist.run(_steps_case, nodes * rpn, rpn, P, 6, {"group_size": 256}, 1 << 12)
+    res = dist.run(_steps_case, nodes * rpn, rpn, P, 6, {"bits": 4, "group_size": 256}, 1 << 12)
     first = res[0]["flat"]
     assert all(torch.equal(r["flat"], first) for r in res) and all(r["agree"] for r in res)
     # per step the error is at most half a code step of the group's difference (4 bits: 1/14 of

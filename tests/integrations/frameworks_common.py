@@ -12,7 +12,7 @@ STEPS = 20  # enough for the 1% loss check and the bytes ratio (the suite runs t
 TAIL = 10  # the final loss: the mean of the last TAIL steps
 MICRO = 8
 LR = 3e-3
-# Every section at its defaults: 4-bit weight differences, two-level 8/4-bit gradients, FP8 + MCF AdamW.
+# Every section at its defaults: 2-bit weight differences, two-level 8/4-bit gradients, FP8 + MCF AdamW.
 # Note: no "auto" values in the block: the Trainer and Accelerate try to fill every "auto" of the
 # file and fail on keys they do not know. ranks_per_node defaults to what the launcher says.
 BLOCK = {"weights": {"mode": "diff"}}
@@ -139,8 +139,9 @@ def ranks_env(ctx) -> None:
 # Cross-node bytes the default block may send, as a share of the run without it, by the least-
 # traffic count (sdpq/comm/traffic.py). ZeRO-3 on this tiny model keeps its gathered weights from
 # the forward to the backward: its baseline moves one 16-bit gather and a 16-bit reduce-scatter
-# (32 bits a parameter), sdpq a 4-bit difference and 4-bit gradients plus their scales and the
-# padding that keeps groups inside the tiny parameters (measured 0.27-0.30). FSDP2 gathers twice
+# (32 bits a parameter), sdpq a 2-bit difference and 4-bit gradients plus their scales and the
+# padding that keeps groups inside the tiny parameters (measured 0.27-0.30 with the earlier 4-bit
+# differences). FSDP2 gathers twice
 # and reduces in fp32 (64 bits; measured 0.13-0.22, by how the recipe wraps the embeddings).
 MAX_RATIO = {"zero3": 0.35, "fsdp2": 0.25}
 

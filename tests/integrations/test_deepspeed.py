@@ -22,6 +22,8 @@ import torch._dynamo  # noqa: E402,F401
 from deepspeed_common import EXACT, FULL_BLOCK, SPEC, TIMEOUT, TINY, build_engine, fresh_deepspeed, run4, train_fn  # noqa: E402
 
 import sdpq.integrations.deepspeed as sds  # noqa: E402
+from sdpq.config import Config  # noqa: E402
+from sdpq.quant import QuantSpec  # noqa: E402
 
 # ----------------------------------------------------------------------------- exact = plain ZeRO-3
 
@@ -164,7 +166,9 @@ def test_resume_on_other_layouts(dist, tmp_path):
             assert "restart from zero" in r["warned"][0], r["warned"]
         rel = max(abs(a - b) / b for a, b in zip(losses[3:], whole[3:]))
         print(f"DeepSpeed 2x2 -> {4 // rpn}x{rpn}: losses {losses[3:]} vs {whole[3:]}, max rel diff {rel:.4f}")
-        assert rel < 0.005, (rpn, losses, whole)
+        # Only the quantization noise differs (the resumed run refreshed its reference exactly):
+        # 0.005 at 4-bit differences, scaled with the code step (absmax / qmax) of the default's.
+        assert rel < 0.005 * 7 / QuantSpec(Config().weights.bits, 32).qmax, (rpn, losses, whole)
     dist.discard(4)
     with pytest.raises(Exception, match="DP world size of 4 but the current world size is 2"):
         dist.run(train_fn, 2, 1, dataclasses.replace(spec, resume=True, ranks_per_node=1), None, timeout=TIMEOUT)
@@ -227,7 +231,8 @@ def _rel(a, b) -> float:
 
 def _versions_fn(ctx, ckpt):
     fresh_deepspeed()
-    block = {"weights": {"mode": "diff"}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
+    # 4-bit differences: the invalidation is the same at every width, and the bound below is 4-bit's
+    block = {"weights": {"mode": "diff", "bits": 4}, "gradients": {"mode": "exact"}, "optimizer": {"enabled": False}}
     eng = build_engine(block)
     seen = _capture(eng)
     out = {}

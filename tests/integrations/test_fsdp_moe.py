@@ -184,7 +184,7 @@ def test_moe_expert_parallel_layout_trains_with_sdpq(dist):
     def inter(group, path):
         return sum(s.get(path, {}).get("inter", {}).get("bytes", 0) for s in group)
 
-    # Both kinds of traffic cross nodes quantized: 4-bit weight differences, 4-bit gradients (+ a
+    # Both kinds of traffic cross nodes quantized: 2-bit weight differences, 4-bit gradients (+ a
     # scale per 128 and, at d = 64, the padding that gives each norm and bias shard whole groups).
     for group in (experts, dense):
         assert inter(group, "weights") > 0 and inter(group, "gradients") > 0

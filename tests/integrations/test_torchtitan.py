@@ -301,7 +301,7 @@ def test_fsdp_with_the_hook_sends_under_a_seventh_of_the_cross_node_bytes(runs):
     assert all(r["applied"] for r in res)
     # The spec's own hook ran first, once, and its step pre-hook on the container every step.
     assert all(r["calls"] == [("built", 1, WORLD)] + ["step"] * FSDP_STEPS for r in res)
-    # Steps 2..n: sdpq's 4-bit weight differences once a step and 4-bit gradients against FSDP2's
+    # Steps 2..n: sdpq's 2-bit weight differences once a step and 4-bit gradients against FSDP2's
     # bf16 gathers (twice a step for the blocks) and fp32 reduce-scatters.
     steady = _cross(res, "sdpq", 2) / _cross(res, "plain", 2)
     # Once per job: the hook's agreement checks and step 1's exact weight exchange (the references
@@ -343,8 +343,8 @@ def test_torchft_all_reduce_is_left_to_torchft(runs):
         assert r["hook_kept"] and r["sdpq_all_reduces"] == 0
         assert r["replica_all_reduces"] == r["groups"] * 4  # torchft's all-reduce, every group, every step
     weights = [sum(r["bytes"]["steps"][k].get("weights", {}).get("inter", 0) for r in res) for k in range(5)]
-    # Step 2's gathers refresh with step 1's update (4-bit); step 2 was not committed, so step 3's
-    # gathers send no weights; after healing, step 4's are exact (bf16 against 4-bit differences).
+    # Step 2's gathers refresh with step 1's update (2-bit); step 2 was not committed, so step 3's
+    # gathers send no weights; after healing, step 4's are exact (bf16 against 2-bit differences).
     assert weights[2] > 0 and weights[3] == 0 and weights[4] > 3 * weights[2], weights
 
 

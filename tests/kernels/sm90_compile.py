@@ -202,29 +202,30 @@ def _budget_cases():
     """(name, call) pairs: the launches of a training step at sdpq.config's defaults, 2^20
     elements a row (what sdpq.check's throughput step times on the GPU, and the paths' shapes)."""
     n = 1 << 20
-    w4, g8 = QuantSpec(4, 2048), QuantSpec(8, 128)
-    g4 = QuantSpec(4, 128, scale_dtype=torch.bfloat16)
-    # the gradient path's default: stochastic rounding (sdpq.config.GradientConfig)
-    g8s, g4s = QuantSpec(8, 128, "stochastic"), QuantSpec(4, 128, "stochastic", torch.bfloat16)
+    # sdpq.config's defaults: 2-bit weight differences (fp32 scales per 2048); gradients with
+    # stochastic rounding and bf16 scales, 8-bit inside the node and 4-bit across nodes
+    w2, bf16 = QuantSpec(2, 2048), torch.bfloat16
+    g8, g4 = QuantSpec(8, 128, scale_dtype=bf16), QuantSpec(4, 128, scale_dtype=bf16)
+    g8s, g4s = QuantSpec(8, 128, "stochastic", bf16), QuantSpec(4, 128, "stochastic", bf16)
     had = (128, torch.ones(128))
     yield (
-        "encode diff 4b G2048 fp32 - fp32 ref",
-        lambda: codec.encode_rows(torch.randn(1, n), w4, ref=torch.randn(1, n)),
+        "encode diff 2b G2048 fp32 - fp32 ref",
+        lambda: codec.encode_rows(torch.randn(1, n), w2, ref=torch.randn(1, n)),
     )
     yield (
-        "encode diff 4b G2048 fp32 - bf16 ref (weights)",
-        lambda: codec.encode_rows(torch.randn(1, n), w4, ref=torch.randn(1, n).bfloat16()),
+        "encode diff 2b G2048 fp32 - bf16 ref (weights)",
+        lambda: codec.encode_rows(torch.randn(1, n), w2, ref=torch.randn(1, n).bfloat16()),
     )
     yield "encode hadamard 8b G128 fp32", lambda: codec.encode_rows(torch.randn(1, n), g8, hadamard=had)
     yield (
         "encode hadamard 8b G128 bf16 2 segments own stochastic (gradients)",
         lambda: codec.encode_rows(torch.randn(4, n).bfloat16(), g8s, segments=2, hadamard=had, own_row=0),
     )
-    wire4 = torch.zeros(1, w4.wire_bytes(n), dtype=torch.uint8)
-    yield "decode 4b G2048 -> bf16", lambda: codec.decode_rows(wire4, w4, n, torch.zeros(1, n, dtype=torch.bfloat16))
+    wire2 = torch.zeros(1, w2.wire_bytes(n), dtype=torch.uint8)
+    yield "decode 2b G2048 -> bf16", lambda: codec.decode_rows(wire2, w2, n, torch.zeros(1, n, dtype=torch.bfloat16))
     yield (
-        "decode 4b G2048 add bf16 (reference)",
-        lambda: codec.decode_rows(wire4, w4, n, torch.zeros(1, n, dtype=torch.bfloat16), add=True),
+        "decode 2b G2048 add bf16 (reference)",
+        lambda: codec.decode_rows(wire2, w2, n, torch.zeros(1, n, dtype=torch.bfloat16), add=True),
     )
     own, bad = torch.zeros(n), torch.zeros(1)
     rows8 = torch.zeros(2, g8.wire_bytes(n), dtype=torch.uint8)

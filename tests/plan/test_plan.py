@@ -40,7 +40,7 @@ def test_memory_at_scale_is_the_per_parameter_arithmetic(nodes, per_node):
 def test_zero12_memory_and_bytes_are_the_per_parameter_arithmetic(stage):
     """ZeRO-1/2 keep the bf16 weights whole (2 bytes per parameter), the gradients whole (stage 1)
     or partitioned (stage 2), and a partition's fp32 master and moments; sdpq swaps the moments
-    for FP8 ones and keeps no reference. Bytes: a 4-bit difference and 4-bit gradients against a
+    for FP8 ones and keeps no reference. Bytes: a 2-bit difference and 4-bit gradients against a
     bf16 all-gather and a bf16 all-reduce."""
     model = from_params(7e9)
     P, N = model.params, 4 * 8
@@ -56,7 +56,7 @@ def test_zero12_memory_and_bytes_are_the_per_parameter_arithmetic(stage):
     assert rank_memory(units, fw, 4, 8, ef)["error_feedback"] == 4 * 4096 * 4096 // 8 * 3 // 4
     assert rank_memory(units, fw, 1, 8, ef)["error_feedback"] == 0  # one node: nothing crosses
     assert rows["sdpq"].cross_node["total"] / rows["bf16"].cross_node["total"] == pytest.approx(
-        (4 + 32 / 2048 + 4.25) / 48, rel=1e-6
+        (2 + 32 / 2048 + 4 + 16 / 128) / 48, rel=1e-6
     )
 
 
@@ -78,9 +78,10 @@ def test_the_recommendation_is_the_fewest_bytes_that_fit():
     by = {r.arm: r for r in rows}
     assert not by["sdpq"].fits and not by["sdpq int8 reference"].fits and by["sdpq stateless (direct)"].fits
     assert recommend(rows).arm == "sdpq stateless (direct)"
-    # sdpq's cross-node bytes: 4-bit weights once and 4-bit gradients vs 2 x 16 + 16 bits.
+    # sdpq's cross-node bytes: 2-bit weights once (fp32 scales per 2048) and 4-bit gradients
+    # (bf16 scales per 128) vs 2 x 16 + 16 bits.
     assert by["sdpq"].cross_node["total"] / by["bf16"].cross_node["total"] == pytest.approx(
-        (4 + 32 / 2048 + 4.25) / 48, rel=1e-6
+        (2 + 32 / 2048 + 4 + 16 / 128) / 48, rel=1e-6
     )
 
 

@@ -31,7 +31,7 @@ from sdpq.train.settings import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(seq_len=16, n_layer=2, n_head=4, d_model=64)
-# sdpq on, quantized: 4-bit weight differences, two-level gradients (the framework's optimizer).
+# sdpq on, quantized: the default weight differences (2-bit), two-level gradients (the framework's optimizer).
 QUANT = {"weights": {"mode": "diff"}, "gradients": {"mode": "two_level"}, "optimizer": {"enabled": False}}
 
 
