@@ -5,11 +5,12 @@ plan's figure beside the measured one), and the scale study that decided it
 
 from __future__ import annotations
 
-# The scale study ran before the default changed: its arm names are those of that commit.
+# The scale study's arms by their settings (benchmarks/hf_llama_seeds.py's ARMS), not `default`,
+# whose meaning changed on 2026-11-28: arm -> (row key suffix, what it runs).
 SCALE_ARMS = {
     "w2-g4-bf16": ("default", "the default block: 2-bit weight differences, bf16 gradient scales"),
     "w2-g4": ("w2-fp32", "2-bit weight differences, fp32 gradient scales"),
-    "default": ("w4", "4-bit weight differences, fp32 gradient scales (the default until 2026-11-28)"),
+    "w4-g4": ("w4", "4-bit weight differences, fp32 gradient scales (the default until 2026-11-28)"),
 }
 _FRAMEWORKS = {
     "fsdp2": "bf16 FSDP2 (fp32 reduce)",

@@ -34,6 +34,7 @@ a non-finite value instead of being encoded as finite garbage.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,7 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"quantize: need a non-empty last dimension, got shape {tuple(x.shape)}")
 
 
+@functools.cache  # one value per code width; quantize runs per bucket and step
 def bf16_scale_cap(qmax: int) -> float:
     """The largest bf16 value b with qmax * b finite in fp32: fp32(max) / qmax in fp32 arithmetic,
     truncated to bf16 (exact for qmax 1, 3, 7 and 127, tests/quant/test_groupwise.py)."""
@@ -137,8 +139,7 @@ def _wire_scales(s: torch.Tensor, dtype: torch.dtype, qmax: int) -> torch.Tensor
         return s
     # bf16 is the top half of an fp32: adding 0xFFFF carries into it unless the low half is zero.
     up = (s.view(torch.int32) + 0xFFFF).bitwise_and_(-65536).view(torch.float32)
-    cap = bf16_scale_cap(qmax)
-    up = torch.where(s.isfinite() & (up > cap), torch.full_like(up, cap), up)
+    up = torch.where(s.isfinite(), up.clamp(max=bf16_scale_cap(qmax)), up)
     return torch.where(s.isnan(), s, up)  # a NaN with a full payload would carry into the sign
 
 

@@ -17,6 +17,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it before any import
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
+from extremes import top_of_range_rows  # noqa: E402
+
 from sdpq.kernels import codec  # noqa: E402
 from sdpq.quant import QuantSpec  # noqa: E402
 from sdpq.quant.hadamard import signs  # noqa: E402
@@ -245,10 +247,7 @@ def test_bf16_scales_at_the_top_of_the_fp32_range_match_reference(bits):
     """Groups within 2^-8 of the fp32 maximum: the capped bf16 scale (sdpq.quant.groupwise's
     Note) is the reference's, bitwise, and every value decodes finite."""
     spec = QuantSpec(bits, 128, scale_dtype=torch.bfloat16)
-    top = torch.finfo(torch.float32).max
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(bits)) * 1e37
-    x[0, 3], x[0, 300], x[1, 129] = top, -top * (1 - 2**-9), 3.3e38
-    x = x.to(DEV)
+    x = top_of_range_rows(bits).to(DEV)
     wire, _, _ = codec.encode_rows(x, spec)
     want = _encode_rows_ref(x, spec, None, 1, None, None, None)[0]
     assert torch.equal(wire, want)

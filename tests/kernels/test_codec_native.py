@@ -19,6 +19,7 @@ import textwrap
 
 import pytest
 import torch
+from extremes import top_of_range_rows
 
 from sdpq.kernels import codec_ops
 from sdpq.quant import QuantSpec
@@ -264,9 +265,7 @@ def test_bf16_scales_at_the_top_of_the_fp32_range_match_reference(bits):
     """Groups within 2^-8 of the fp32 maximum: the capped bf16 scale (sdpq.quant.groupwise's
     Note) is the reference's, bitwise, and every value decodes finite."""
     spec = QuantSpec(bits, 128, scale_dtype=torch.bfloat16)
-    top = torch.finfo(torch.float32).max
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(bits)) * 1e37
-    x[0, 3], x[0, 300], x[1, 129] = top, -top * (1 - 2**-9), 3.3e38
+    x = top_of_range_rows(bits)
     got = OPS.encode_rows(x, None, 1, *_args(spec), None, 1, 0)
     want = _encode_rows_ref(x, spec, None, 1, None, 1, None)
     assert torch.equal(got[0], want[0])
